@@ -1,0 +1,178 @@
+"""What runs inside each engine process: the rank's state and the cell runner.
+
+The kernel calls these functions through ipyparallel ``apply``; they run in
+the engine's IPython namespace, which persists across cells.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+import traceback
+from typing import Any
+
+from .strategies import CellOptions
+
+
+class RankState:
+    """This engine's place in the fleet, and the Accelerator of the last cell."""
+
+    def __init__(self) -> None:
+        self.spec = None
+        self.device = None
+        self.accelerator = None
+        self.accelerator_key = None
+        self.pg_sockets: set = set()  # (local, remote) addresses of the group's connections
+        self.cells = 0
+
+    def joined(self, spec, device, pg_sockets: set) -> None:
+        self.spec, self.device, self.pg_sockets = spec, device, pg_sockets
+        self.accelerator = self.accelerator_key = None
+
+    def left(self) -> None:
+        self.spec, self.pg_sockets = None, set()
+        self.accelerator = self.accelerator_key = None
+
+    def ensure_accelerator(self, options: CellOptions):
+        """The Accelerator for ``options``, rebuilt when options or process group change."""
+        if self.spec is None:
+            raise RuntimeError("this engine has no process group; run %fleet start again")
+        key = (options, self.spec.generation)
+        if self.accelerator is None or self.accelerator_key != key:
+            from .strategies import build_accelerator
+
+            self.accelerator = build_accelerator(options, self.device.type)
+            self.accelerator_key = key
+        return self.accelerator
+
+    def names(self, options: CellOptions) -> dict:
+        """The names every ``%%distributed`` cell sees."""
+        import workbench
+
+        return {
+            "accelerator": self.ensure_accelerator(options),
+            "rank": self.spec.rank,
+            "world_size": self.spec.world_size,
+            "local_rank": self.spec.local_rank,
+            "device": self.device,
+            "workbench": workbench,
+        }
+
+
+STATE = RankState()
+
+
+def _namespace() -> dict:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell.user_ns if shell is not None else sys.modules["__main__"].__dict__
+
+
+def _failure(exc: BaseException, skip_frames: int) -> dict:
+    tb = exc.__traceback__
+    for _ in range(skip_frames):
+        if tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return {"ok": False, "ename": type(exc).__name__, "evalue": str(exc), "traceback": text}
+
+
+def _format(value: Any) -> dict:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return {"text/plain": repr(value)}
+    data, _metadata = shell.display_formatter.format(value)
+    return data
+
+
+def _compile_cell(code: str, filename: str):
+    """Compile ``code`` like IPython does: the last expression's value is kept."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None:
+        code = shell.transform_cell(code)
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    tree = ast.parse(code, filename=filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = compile(tree, filename, "exec")
+    return body, (compile(last, filename, "eval") if last is not None else None)
+
+
+def run_cell(
+    code: str, options: dict, cell_name: str, return_value: bool = False, display_value: bool = True
+) -> dict:
+    """Run a ``%%distributed`` cell on this rank.
+
+    Returns ``{"ok": True, "value": ..., "display": mimebundle}`` or a failure
+    record with the traceback of the user's code only.
+    """
+    STATE.cells += 1
+    ns = _namespace()
+    try:
+        ns.update(STATE.names(CellOptions(**options)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the kernel as this rank's error
+        return _failure(exc, skip_frames=0)
+    filename = f"<{cell_name}>"
+    try:
+        body, last = _compile_cell(code, filename)
+        exec(body, ns)
+        value = eval(last, ns) if last is not None else None
+    except BaseException as exc:  # noqa: BLE001
+        return _failure(exc, skip_frames=1)
+    result = {"ok": True, "value": None, "display": None}
+    if value is not None:
+        ns["_"] = value
+        if return_value:
+            result["value"] = to_cpu(value)
+        if display_value:
+            result["display"] = _format(value)
+    return result
+
+
+def run_function(fn, args: tuple, kwargs: dict, options: dict) -> dict:
+    """Call ``fn(*args, **kwargs)`` on this rank, with the cell names defined."""
+    ns = _namespace()
+    try:
+        ns.update(STATE.names(CellOptions(**options)))
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001
+        return _failure(exc, skip_frames=1)
+    return {"ok": True, "value": to_cpu(value), "display": None}
+
+
+def to_cpu(value: Any) -> Any:
+    """Tensors (also inside lists, tuples and dicts) moved to CPU for the kernel."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        if type(value).__name__ == "DTensor":
+            # gathering would be a collective; a pull from one rank gets its shard
+            value = value.to_local()
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(to_cpu(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def pull(name: str) -> dict:
+    """The value of ``name`` in this rank's namespace, tensors moved to CPU."""
+    ns = _namespace()
+    if name not in ns:
+        return {"ok": False, "ename": "NameError", "evalue": f"name {name!r} is not defined on this rank",
+                "traceback": ""}
+    return {"ok": True, "value": to_cpu(ns[name]), "display": None}
+
+
+def push(values: dict) -> None:
+    """Set ``values`` in this rank's namespace."""
+    _namespace().update(values)

@@ -1,0 +1,17 @@
+"""Exceptions that workbench raises in the kernel.
+
+Every message is one line that tells the user what to do; the magics turn
+:class:`WorkbenchError` into IPython's one-line ``UsageError``.
+"""
+
+
+class WorkbenchError(Exception):
+    """Base class: a problem the user can fix, described in one line."""
+
+
+class FleetError(WorkbenchError):
+    """The fleet cannot do what was asked (not running, already running, ...)."""
+
+
+class OptionsError(WorkbenchError, ValueError):
+    """A flag or argument has a value that cannot work."""

@@ -1,0 +1,256 @@
+"""Run one cell (or function) on a set of ranks and bring the outcome back.
+
+While the ranks run, their output streams live (:mod:`workbench.output`). If a
+rank fails, the others are stopped: peers blocked in a gloo collective are
+released by destroying the process group on the ranks that are already idle,
+running ranks get SIGINT, and a rank that still does not stop is killed and
+replaced. An interrupt (Ctrl-C, Jupyter's stop button) or ``--timeout`` walks
+the same ladder starting with SIGINT. Afterwards the process group is checked
+and rebuilt if it may be inconsistent, so the next cell works.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+from dataclasses import dataclass, field
+
+from . import rendezvous
+from .errors import WorkbenchError
+from .output import RankOutput
+
+POLL_S = 0.05
+FAILURE_GRACE_S = 0.2  # let ranks failing with the same error report together
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    ename: str
+    evalue: str
+    traceback: str
+    stopped: bool = False  # the rank was stopped by workbench, not the first to fail
+
+
+@dataclass
+class CellResult:
+    ranks: list[int]
+    replies: dict[int, dict] = field(default_factory=dict)
+
+    def values(self) -> list:
+        return [self.replies[r].get("value") for r in self.ranks]
+
+    def display(self, rank: int) -> dict | None:
+        reply = self.replies.get(rank)
+        return reply.get("display") if reply else None
+
+
+class DistributedCellError(WorkbenchError):
+    """One or more ranks raised. Each distinct traceback is shown once."""
+
+    def __init__(self, failures: list[RankFailure], world: int, notes: list[str], interrupted: bool = False):
+        self.failures = sorted(failures, key=lambda f: f.rank)
+        self.world = world
+        self.notes = notes
+        self.interrupted = interrupted
+        first = [f for f in self.failures if not f.stopped] or self.failures
+        lead = first[0]
+        ranks = _ranks([f.rank for f in first if f.traceback == lead.traceback])
+        what = "interrupted" if interrupted else f"{lead.ename}: {lead.evalue}"
+        super().__init__(f"{what} (rank {ranks} of {world})")
+
+    def groups(self) -> list[tuple[list[int], RankFailure]]:
+        """Distinct tracebacks of the ranks that failed, each with its ranks."""
+        grouped: dict[str, list[RankFailure]] = {}
+        for failure in self.failures:
+            if not failure.stopped:
+                grouped.setdefault(failure.traceback, []).append(failure)
+        return [([f.rank for f in fs], fs[0]) for fs in grouped.values()]
+
+    def report(self) -> str:
+        lines = []
+        for ranks, failure in self.groups():
+            lines.append(f"── {failure.ename} on rank {_ranks(ranks)} of {self.world} ──")
+            lines.append(failure.traceback.rstrip() or f"{failure.ename}: {failure.evalue}")
+        stopped = [f for f in self.failures if f.stopped]
+        if stopped:
+            why = "the interrupt" if self.interrupted else "the failure above"
+            lines.append(f"rank {_ranks([f.rank for f in stopped])} stopped because of {why} "
+                         f"({stopped[0].ename}: {_last_line(stopped[0].evalue)})")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+    def _render_traceback_(self) -> list[str]:
+        return self.report().splitlines()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in sorted(ranks))
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+class _Stopper:
+    """The ladder that ends a cell on every rank: SIGINT, release, kill."""
+
+    def __init__(self, reason: str, now: float) -> None:
+        self.reason = reason
+        self.at = now
+        if reason == "failure":
+            self.steps = [(FAILURE_GRACE_S, "release"), (FAILURE_GRACE_S, "sigint"), (3.5, "kill")]
+        else:  # interrupt or timeout
+            self.steps = [(0.0, "sigint"), (1.0, "release"), (5.0, "kill")]
+        self.done: list[str] = []
+
+    def due(self, now: float) -> list[str]:
+        ready = [action for delay, action in self.steps if now - self.at >= delay and action not in self.done]
+        self.done.extend(ready)
+        return ready
+
+    def hurry(self) -> None:
+        """A second interrupt: go straight to the last step."""
+        self.steps = [(0.0, action) for _, action in self.steps]
+
+
+def _stream_text(ar, attr: str) -> str:
+    value = getattr(ar, attr)
+    if isinstance(value, list):
+        value = "".join(value)
+    return value or ""
+
+
+def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None, show_output=True) -> CellResult:
+    """Apply ``function(*args)`` on every rank in ``ranks`` and collect the replies.
+
+    Raises :class:`DistributedCellError` if any rank failed, and
+    ``KeyboardInterrupt`` after an interrupt (once every rank has stopped).
+    """
+    client = fleet.client
+    started = time.monotonic()
+    pending = {r: client[fleet.member(r).engine_id].apply_async(function, *args) for r in ranks}
+    futures = {ar: r for r, ar in pending.items()}
+    output = RankOutput(ranks) if show_output else None
+    shown_outputs = 0
+    result = CellResult(ranks)
+    failures: list[RankFailure] = []
+    stopper: _Stopper | None = None
+    released = killed = False
+    interrupted = timed_out = False
+
+    def refresh(force=False):
+        nonlocal shown_outputs
+        if output is None:
+            return
+        output.update({r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr")) for r, ar in futures_by_rank.items()},
+                      force=force)
+        rank0 = futures_by_rank.get(ranks[0])
+        outs = rank0.outputs if rank0 is not None else []
+        if output.live_blocks and len(outs) > shown_outputs:
+            from IPython.display import display
+
+            for item in outs[shown_outputs:]:
+                display(item.get("data", {}), raw=True, metadata=item.get("metadata", {}))
+            shown_outputs = len(outs)
+
+    futures_by_rank = dict(pending)
+    while pending:
+        try:
+            concurrent.futures.wait(list(pending.values()), timeout=POLL_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            now = time.monotonic()
+            for rank, ar in list(pending.items()):
+                if not ar.ready():
+                    continue
+                del pending[rank]
+                reply = _reply(ar)
+                result.replies[rank] = reply
+                if not reply["ok"]:
+                    late = stopper is not None and any(a in stopper.done for a in ("release", "sigint"))
+                    failures.append(RankFailure(rank, reply["ename"], reply["evalue"], reply["traceback"], late))
+                    if stopper is None:
+                        stopper = _Stopper("failure", now)
+            if timeout is not None and stopper is None and now - started > timeout:
+                timed_out = True
+                stopper = _Stopper("timeout", now)
+            refresh()
+            if stopper is not None and pending:
+                for action in stopper.due(now):
+                    released |= _act(fleet, action, ranks, pending) == "released"
+                    if action == "kill" and pending:
+                        killed = True
+                        _kill(fleet, pending, failures, result)
+        except KeyboardInterrupt:
+            interrupted = True
+            if stopper is None or stopper.reason == "failure":
+                stopper = _Stopper("interrupt", time.monotonic())
+            else:
+                stopper.hurry()
+    refresh(force=True)
+
+    notes = _repair(fleet, ranks, bool(failures) or interrupted or timed_out, released or killed, killed)
+    if timed_out:
+        notes.insert(0, f"the cell ran past --timeout {timeout:g} s and was stopped on every rank")
+    if interrupted:
+        err = DistributedCellError(failures, fleet.world_size, notes, interrupted=True)
+        print(err.report())
+        raise KeyboardInterrupt
+    if failures:
+        raise DistributedCellError(failures, fleet.world_size, notes)
+    return result
+
+
+def _reply(ar) -> dict:
+    try:
+        return ar.get()
+    except Exception as exc:  # the engine died or could not run the request at all
+        ename = getattr(exc, "ename", type(exc).__name__)
+        evalue = getattr(exc, "evalue", str(exc))
+        return {"ok": False, "ename": ename, "evalue": evalue, "traceback": f"{ename}: {evalue}"}
+
+
+def _act(fleet, action: str, ranks: list[int], pending: dict) -> str:
+    running = sorted(pending)
+    if action == "sigint":
+        fleet.signal(running, signal.SIGINT)
+    elif action == "release":
+        idle = [r for r in range(fleet.world_size) if r not in pending]
+        if idle:
+            # closing the group's sockets on idle ranks releases peers blocked in a collective
+            peers = [fleet.member(r).pid for r in running]
+            fleet.client[fleet.engine_ids(idle)].apply_sync(rendezvous.leave, peers)
+            return "released"
+    return action
+
+
+def _kill(fleet, pending: dict, failures: list[RankFailure], result: CellResult) -> None:
+    stuck = sorted(pending)
+    for rank in stuck:
+        reply = {"ok": False, "ename": "Killed", "evalue": "did not stop within a few seconds; engine replaced",
+                 "traceback": ""}
+        result.replies[rank] = reply
+        failures.append(RankFailure(rank, reply["ename"], reply["evalue"], "", stopped=True))
+        del pending[rank]
+    fleet.replace(stuck)
+
+
+def _repair(fleet, ranks: list[int], abnormal: bool, torn: bool, killed: bool) -> list[str]:
+    """Rebuild the process group if the cell may have left it inconsistent."""
+    if not abnormal:
+        return []
+    if not torn:
+        checks = fleet.client[fleet.engine_ids()].apply_async(rendezvous.healthy, 3.0)
+        try:
+            if all(checks.get(timeout=10)):
+                return []
+        except Exception:
+            pass
+    fleet.rendezvous()
+    notes = ["the process group was rebuilt; models and optimizers prepared before are bound to the old "
+             "group: run the cell that calls accelerator.prepare again"]
+    if killed:
+        notes.append("a rank that did not stop was restarted with an empty namespace: run your setup cells again")
+    return notes

@@ -1,0 +1,440 @@
+"""The engine fleet: an ipyparallel cluster with one engine per rank (per GPU).
+
+Each rank is its own ipyparallel engine set, so that every engine gets its own
+environment (``CUDA_VISIBLE_DEVICES`` with exactly one GPU) and can be stopped
+or replaced alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import psutil
+
+from . import engine, execution, rendezvous
+from .devices import EngineSlot, parse_gpu_list, plan_engines
+from .errors import FleetError, OptionsError
+from .output import ProgressLine
+from .reaper import write_pids
+from .strategies import CellOptions
+
+DEFAULT_PG_TIMEOUT_S = 300.0
+DEFAULT_ENGINE_TIMEOUT_S = 120.0
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+@dataclass
+class Member:
+    """One rank of the fleet and the engine that runs it."""
+
+    rank: int
+    slot: EngineSlot
+    engine_id: int
+    pid: int
+    host: str
+    engine_set: str
+    device: str = "cpu"
+
+
+class Fleet:
+    """A set of ipyparallel engines joined in one torch.distributed process group.
+
+    >>> with Fleet(n=2) as fleet:
+    ...     fleet.run("import torch; t = torch.ones(1); torch.distributed.all_reduce(t); t.item()")
+    [2.0, 2.0]
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        gpus: str | list[str] | None = None,
+        cpu: bool = False,
+        backend: str | None = None,
+        pg_timeout: float = DEFAULT_PG_TIMEOUT_S,
+        engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S,
+        progress: bool = True,
+    ) -> None:
+        if isinstance(gpus, str):
+            gpus = parse_gpu_list(gpus)
+        self._slots = plan_engines(n, gpus, cpu=cpu)
+        self.device_type = self._slots[0].device_type
+        if backend is not None and backend not in BACKENDS and ":" not in backend:
+            raise OptionsError(f"unknown backend {backend!r}; use one of: {', '.join(BACKENDS)}")
+        self.backend = backend or ("nccl" if self.device_type == "cuda" else "gloo")
+        if pg_timeout <= 0:
+            raise OptionsError(f"--pg-timeout must be a positive number of seconds (got {pg_timeout})")
+        self.pg_timeout = float(pg_timeout)
+        self.engine_timeout = float(engine_timeout)
+        self.progress = progress
+        self.members: list[Member] = []
+        self.generation = 0
+        self.runtime_dir: str | None = None
+        self.client = None
+        self._cluster = None
+        self._reaper: subprocess.Popen | None = None
+        self._cells = 0
+        self._set_counter = 0
+
+    # ------------------------------------------------------------------ life cycle
+    @property
+    def running(self) -> bool:
+        return self.client is not None and bool(self.members)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def start(self) -> "Fleet":
+        """Start the controller and engines, then join them in a process group."""
+        if self.running:
+            raise FleetError("this fleet is already running; use it, or stop it first with %fleet stop")
+        import ipyparallel as ipp
+
+        started = time.monotonic()
+        progress = ProgressLine(self.progress)
+        self.runtime_dir = tempfile.mkdtemp(prefix="workbench-")  # mode 0700
+        try:
+            progress.show("fleet: starting controller…")
+            self._cluster = ipp.Cluster(
+                profile_dir=os.path.join(self.runtime_dir, "profile"),
+                log_level=logging.WARNING,
+                engine_timeout=self.engine_timeout,
+            )
+            self._cluster.start_controller_sync()
+            self._start_reaper()
+            sets = {self._launch(slot): slot for slot in self._slots}
+            self.client = self._cluster.connect_client_sync()
+            self._wait_for_engines(sets, progress, started)
+            self._map_members(sets)
+            progress.show(f"fleet: {len(self.members)} engines up; joining process group ({self.backend})…")
+            self.rendezvous()
+        except BaseException:
+            self.stop()
+            raise
+        devices = ", ".join(m.device for m in self.members)
+        progress.show(
+            f"fleet: {self.world_size} ranks ready in {time.monotonic() - started:.1f} s "
+            f"({self.backend}; devices: {devices})"
+        )
+        return self
+
+    def stop(self) -> None:
+        """Stop every engine and the controller; nothing is left running."""
+        client, cluster = self.client, self._cluster
+        processes = _process_trees([m.pid for m in self.members])
+        self.client, self._cluster, self.members = None, None, []
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass
+        if cluster is not None:
+            try:
+                cluster.stop_cluster_sync()
+            except Exception:
+                pass
+        if self.runtime_dir:
+            from .reaper import kill_all
+
+            kill_all(self.runtime_dir)  # anything that ignored SIGTERM; removes the folder
+            self.runtime_dir = None
+        _, alive = psutil.wait_procs(processes, timeout=5)  # engines' nannies exit after them
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        if self._reaper is not None:
+            try:
+                self._reaper.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._reaper.kill()
+            self._reaper = None
+
+    def __enter__(self) -> "Fleet":
+        return self.start() if not self.running else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"{self.world_size} ranks, {self.backend}" if self.running else "stopped"
+        return f"<workbench.Fleet {state}>"
+
+    # ------------------------------------------------------------------ engines
+    def _launch(self, slot: EngineSlot) -> str:
+        env = {
+            "WORKBENCH_SLOT": str(slot.slot),
+            "OMP_NUM_THREADS": os.environ.get(
+                "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self._slots)))
+            ),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if slot.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = slot.gpu
+        self._set_counter += 1
+        set_id = f"slot{slot.slot}-{self._set_counter}"
+        self._cluster.start_engines_sync(n=1, engine_set_id=set_id, environment=env)
+        return set_id
+
+    def _engine_log(self, set_id: str) -> str:
+        engine_set = self._cluster.engines.get(set_id)
+        try:
+            return engine_set.get_output() if engine_set else ""
+        except Exception:
+            return ""
+
+    def _wait_for_engines(self, sets: dict[str, EngineSlot], progress: ProgressLine, started: float) -> None:
+        want = len(self.client.ids) + len(sets)
+        deadline = time.monotonic() + self.engine_timeout
+        while len(self.client.ids) < want:
+            for set_id, slot in sets.items():
+                launcher = self._cluster.engines.get(set_id)
+                if launcher is not None and launcher.stop_data:
+                    log = self._engine_log(set_id).strip().splitlines()
+                    last = log[-1] if log else "no output"
+                    raise FleetError(f"the engine for rank slot {slot.slot} exited while starting: {last}")
+            if time.monotonic() > deadline:
+                raise FleetError(
+                    f"only {len(self.client.ids)} of {want} engines registered within {self.engine_timeout:.0f} s; "
+                    "the machine may be overloaded: try again, or pass a larger engine_timeout"
+                )
+            progress.show(
+                f"fleet: starting engines {len(self.client.ids)}/{want} ({time.monotonic() - started:.0f} s)…",
+                key=len(self.client.ids),
+            )
+            time.sleep(0.1)
+
+    def _map_members(self, sets: dict[str, EngineSlot]) -> None:
+        """Match new engines to their slots and give every engine its rank (slot order)."""
+        known = {m.engine_id for m in self.members}
+        new_ids = [e for e in self.client.ids if e not in known]
+        infos = self.client[new_ids].apply_sync(rendezvous.identify)
+        by_slot = {slot.slot: (set_id, slot) for set_id, slot in sets.items()}
+        for engine_id, info in zip(new_ids, infos):
+            set_id, slot = by_slot[info["slot"]]
+            self.members.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
+        self.members.sort(key=lambda m: m.slot.slot)
+        for rank, member in enumerate(self.members):
+            member.rank = rank
+        self._record_pids()
+
+    def _record_pids(self) -> None:
+        pids = [m.pid for m in self.members]
+        controller = getattr(self._cluster, "controller", None)
+        if controller is not None and getattr(controller, "pid", -1) > 0:
+            pids.append(controller.pid)
+        write_pids(self.runtime_dir, pids)
+
+    def _start_reaper(self) -> None:
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "workbench.reaper", str(os.getpid()), self.runtime_dir],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def engine_ids(self, ranks: list[int] | None = None) -> list[int]:
+        return [self.member(r).engine_id for r in (ranks if ranks is not None else range(self.world_size))]
+
+    def member(self, rank: int) -> Member:
+        return self.members[rank]
+
+    def signal(self, ranks: list[int], sig: int) -> None:
+        """Send ``sig`` to the engines of ``ranks`` (through each engine's nanny)."""
+        if ranks:
+            self.client.send_signal(sig, targets=self.engine_ids(ranks), block=True)
+
+    def replace(self, ranks: list[int]) -> None:
+        """Kill the engines of ``ranks`` and start fresh ones in their slots.
+
+        The new engines have empty namespaces; call :meth:`rendezvous` after.
+        """
+        dead = [self.member(r) for r in ranks]
+        for member in dead:
+            try:
+                self._cluster.signal_engines_sync(signal.SIGKILL, member.engine_set)
+            except Exception:
+                pass
+        gone = {m.engine_id for m in dead}
+        deadline = time.monotonic() + 15
+        while gone & set(self.client.ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for member in dead:
+            try:
+                self._cluster.stop_engines_sync(member.engine_set)
+            except Exception:
+                pass
+        self.members = [m for m in self.members if m.engine_id not in gone]
+        sets = {self._launch(m.slot): m.slot for m in dead}
+        self._wait_for_engines(sets, ProgressLine(False), time.monotonic())
+        self._map_members(sets)
+
+    # ------------------------------------------------------------------ process group
+    def rendezvous(self) -> None:
+        """(Re)build the process group on every rank, on a fresh port."""
+        self.generation += 1
+        hosts = {m.host for m in self.members}
+        rank0 = self.client[self.member(0).engine_id]
+        single_host = len(hosts) == 1
+        port = rank0.apply_sync(rendezvous.free_port, single_host)
+        addr = rendezvous.LOOPBACK if single_host else rank0.apply_sync(rendezvous.host_address)
+        store = os.path.join(self.runtime_dir, f"store-{self.generation}") if single_host else None
+        pending = []
+        for member in self.members:
+            peers = [m for m in self.members if m.host == member.host]
+            spec = rendezvous.RendezvousSpec(
+                rank=member.rank, world_size=self.world_size,
+                local_rank=peers.index(member), local_world_size=len(peers),
+                master_addr=addr, master_port=port, backend=self.backend,
+                timeout_s=self.pg_timeout, generation=self.generation, store_path=store,
+            )
+            pending.append((member, self.client[member.engine_id].apply_async(rendezvous.join, spec.to_dict())))
+        deadline = time.monotonic() + min(self.pg_timeout, 120) + 10
+        for member, result in pending:
+            try:
+                info = result.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:
+                raise FleetError(f"rank {member.rank} could not join the process group: {_one_line(exc)}") from None
+            member.device = info["device"]
+
+    # ------------------------------------------------------------------ running code
+    def _targets(self, ranks) -> list[int]:
+        if not self.running:
+            raise FleetError("no fleet is running; start one with %fleet start -n 2 (or Fleet(n=2).start())")
+        if ranks is None:
+            return list(range(self.world_size))
+        if isinstance(ranks, int):
+            ranks = [ranks]
+        ranks = sorted(set(ranks))
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad or not ranks:
+            raise OptionsError(
+                f"rank {','.join(map(str, bad)) or '(none)'} is out of range: this fleet has ranks "
+                f"0-{self.world_size - 1}"
+            )
+        return ranks
+
+    def execute(
+        self,
+        code: str,
+        options: CellOptions,
+        *,
+        ranks=None,
+        timeout: float | None = None,
+        return_value: bool = False,
+        show_output: bool = True,
+    ) -> "execution.CellResult":
+        """Run ``code`` as a cell on ``ranks``: the engine of ``%%distributed``."""
+        targets = self._targets(ranks)
+        options.validate(self.device_type)
+        self._cells += 1
+        name = f"distributed-cell-{self._cells}"
+        args = (code, options.to_dict(), name, return_value, not return_value)
+        return execution.run_on_ranks(self, targets, engine.run_cell, args, timeout=timeout, show_output=show_output)
+
+    def run(
+        self,
+        code_or_function: str | Callable,
+        *args: Any,
+        strategy: str = "ddp",
+        mixed_precision: str = "no",
+        grad_accum: int = 1,
+        ranks=None,
+        timeout: float | None = None,
+        show_output: bool = True,
+        **kwargs: Any,
+    ) -> list:
+        """Run a code string or a function on every rank and return each rank's result.
+
+        A string returns the value of its last expression on each rank; a
+        function is called as ``fn(*args, **kwargs)``. Inside, the names of a
+        ``%%distributed`` cell (``accelerator``, ``rank``, ...) are defined.
+        Tensors come back on CPU. Raises :class:`execution.DistributedCellError`
+        if any rank raised.
+        """
+        options = CellOptions(strategy, mixed_precision, grad_accum)
+        if callable(code_or_function):
+            targets = self._targets(ranks)
+            options.validate(self.device_type)
+            call = (code_or_function, args, kwargs, options.to_dict())
+            result = execution.run_on_ranks(
+                self, targets, engine.run_function, call, timeout=timeout, show_output=show_output
+            )
+        else:
+            if args or kwargs:
+                raise OptionsError("extra arguments are only accepted when running a function, not a code string")
+            result = self.execute(
+                code_or_function, options, ranks=ranks, timeout=timeout, return_value=True, show_output=show_output
+            )
+        return result.values()
+
+    def pull(self, name: str, rank: int = 0) -> Any:
+        """Copy the value of ``name`` from one rank's namespace (tensors to CPU)."""
+        (target,) = self._targets([rank])
+        reply = self.client[self.member(target).engine_id].apply_sync(engine.pull, name)
+        if not reply["ok"]:
+            raise FleetError(f"rank {target}: {reply['evalue']}; define it in a %%distributed cell first")
+        return reply["value"]
+
+    def push(self, **values: Any) -> None:
+        """Set ``values`` in every rank's namespace."""
+        self._targets(None)
+        self.client[self.engine_ids()].apply_sync(engine.push, values)
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> list[dict]:
+        """One row per rank: rank, engine id, pid, host, device, state, memory."""
+        if not self.running:
+            return []
+        alive = set(self.client.ids)
+        queues = self.client.queue_status()
+        rows = []
+        for m in self.members:
+            state = "dead"
+            if m.engine_id in alive:
+                state = "busy" if queues.get(m.engine_id, {}).get("queue", 0) else "idle"
+            rows.append({
+                "rank": m.rank, "engine": m.engine_id, "pid": m.pid, "host": m.host,
+                "device": m.device, "state": state, "memory": _memory(m),
+            })
+        return rows
+
+
+def _process_trees(pids: list[int]) -> list[psutil.Process]:
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            procs += [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return procs
+
+
+def _memory(member: Member) -> str:
+    """Resident memory of a local engine (remote engines: unknown)."""
+    import socket
+
+    if member.host != socket.gethostname():
+        return "?"
+    try:
+        rss = psutil.Process(member.pid).memory_info().rss
+    except psutil.Error:
+        return "-"
+    return f"{rss / 2**20:.0f} MiB"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = getattr(exc, "evalue", None) or str(exc)
+    name = getattr(exc, "ename", None) or type(exc).__name__
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return f"{name}: {lines[-1] if lines else ''}"

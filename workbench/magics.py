@@ -1,0 +1,231 @@
+"""IPython magics: a thin parsing layer over :class:`workbench.Fleet`.
+
+``%fleet start|status|stop|pull|push`` and ``%%distributed``. Bad input and
+fleet problems become one-line ``UsageError`` messages; a failing cell raises
+:class:`~workbench.execution.DistributedCellError`, which IPython renders as
+each distinct rank traceback once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from .errors import WorkbenchError
+from .execution import DistributedCellError
+from .fleet import DEFAULT_PG_TIMEOUT_S, Fleet
+from .strategies import PRECISIONS, STRATEGIES, CellOptions
+
+_current: Fleet | None = None
+
+
+def current_fleet() -> Fleet | None:
+    """The fleet that ``%fleet start`` started in this kernel, if it is running."""
+    return _current if _current is not None and _current.running else None
+
+
+def _stop_current() -> None:
+    global _current
+    if _current is not None:
+        _current.stop()
+        _current = None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one-line UsageErrors instead of exiting."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog.split()[0]}? for help)")
+
+    def exit(self, status=0, message=None):
+        if message:
+            raise UsageError(message.strip())
+        raise UsageError(self.format_help())
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number, e.g. -n 2") from None
+
+
+def _rank_list(text: str) -> list[int]:
+    try:
+        return [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ranks, e.g. --ranks 0,1") from None
+
+
+def _fleet_parser() -> _Parser:
+    parser = _Parser(prog="%fleet", add_help=False)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    start = sub.add_parser("start", prog="%fleet start", add_help=False)
+    start.add_argument("-n", type=_count, default=None, help="number of engines (default: one per GPU, or 2 on CPU)")
+    start.add_argument("--gpus", default=None, help="GPU ids, one engine each, e.g. 0,2")
+    start.add_argument("--cpu", action="store_true", help="CPU engines even if GPUs are visible")
+    start.add_argument("--backend", default=None, help="gloo (CPU default), nccl (GPU default) or mpi")
+    start.add_argument("--pg-timeout", type=_positive_float, default=DEFAULT_PG_TIMEOUT_S,
+                       help="seconds after which a blocked collective fails")
+    sub.add_parser("status", prog="%fleet status", add_help=False)
+    sub.add_parser("stop", prog="%fleet stop", add_help=False)
+    pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
+    pull.add_argument("name")
+    pull.add_argument("--rank", type=int, default=0)
+    push = sub.add_parser("push", prog="%fleet push", add_help=False)
+    push.add_argument("assignments", nargs="+", help="name=expression, evaluated in the kernel")
+    return parser
+
+
+def _distributed_parser() -> _Parser:
+    parser = _Parser(prog="%%distributed", add_help=False)
+    parser.add_argument("--strategy", default="ddp", help=f"{'|'.join(STRATEGIES)} (default ddp)")
+    parser.add_argument("--mixed-precision", default="no", help=f"{'|'.join(PRECISIONS)} (default no)")
+    parser.add_argument("--grad-accum", type=_count, default=1, help="gradient accumulation steps")
+    parser.add_argument("--ranks", type=_rank_list, default=None, help="run on these ranks only, e.g. 0,1")
+    parser.add_argument("--timeout", type=_positive_float, default=None, help="stop the cell after S seconds")
+    return parser
+
+
+def _friendly(method):
+    """Turn workbench's one-line errors into UsageError (no traceback)."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except DistributedCellError:
+            raise
+        except WorkbenchError as exc:
+            raise UsageError(str(exc)) from None
+
+    return wrapper
+
+
+class _RankValue:
+    """The last expression's value on rank 0, displayed like a normal cell's."""
+
+    def __init__(self, bundle: dict) -> None:
+        self.bundle = bundle
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return self.bundle
+
+    def __repr__(self) -> str:
+        return self.bundle.get("text/plain", "")
+
+
+def _status_table(rows: list[dict]) -> str:
+    if not rows:
+        return "no fleet is running; start one with %fleet start -n 2"
+    columns = ["rank", "engine", "pid", "host", "device", "state", "memory"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
+    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(lines)
+
+
+@magics_class
+class WorkbenchMagics(Magics):
+    @line_magic
+    @_friendly
+    def fleet(self, line: str):
+        """Manage the engine fleet: one ipyparallel engine per rank (per GPU).
+
+        %fleet start [-n N] [--gpus 0,2] [--cpu] [--backend gloo|nccl|mpi] [--pg-timeout S]
+            Start N engines (default: one per visible GPU, or 2 CPU engines) and
+            join them in a torch.distributed process group (gloo on CPU, nccl on GPU).
+        %fleet status
+            Table of rank, engine id, pid, host, device, state and memory.
+        %fleet pull NAME [--rank R]
+            Copy NAME from a rank's namespace into the kernel (tensors to CPU).
+        %fleet push NAME=EXPR [NAME=EXPR ...]
+            Evaluate each EXPR in the kernel and set NAME on every rank.
+        %fleet stop
+            Stop every engine and the controller.
+        """
+        global _current
+        args = _fleet_parser().parse_args(shlex.split(line))
+        if args.command is None:
+            raise UsageError("%fleet needs a command: start, status, pull, push or stop (see %fleet?)")
+        if args.command == "start":
+            if current_fleet() is not None:
+                raise UsageError(
+                    f"a fleet is already running ({current_fleet().world_size} ranks); "
+                    "use it, or stop it first with %fleet stop"
+                )
+            fleet = Fleet(n=args.n, gpus=args.gpus, cpu=args.cpu, backend=args.backend, pg_timeout=args.pg_timeout)
+            _current = fleet.start()
+            return None
+        fleet = current_fleet()
+        if args.command == "stop":
+            if fleet is None:
+                print("no fleet is running")
+            _stop_current()
+            return None
+        if fleet is None:
+            raise UsageError("no fleet is running; start one with %fleet start -n 2")
+        if args.command == "status":
+            print(_status_table(fleet.status()))
+        elif args.command == "pull":
+            return fleet.pull(args.name, rank=args.rank)
+        elif args.command == "push":
+            fleet.push(**self._evaluate(args.assignments))
+        return None
+
+    def _evaluate(self, assignments: list[str]) -> dict:
+        values = {}
+        for item in assignments:
+            name, sep, expr = item.partition("=")
+            if not sep or not name.isidentifier():
+                raise UsageError(f"%fleet push takes NAME=EXPR pairs, e.g. %fleet push lr=3e-4 (got {item!r})")
+            try:
+                values[name] = eval(expr, self.shell.user_ns)
+            except Exception as exc:
+                raise UsageError(f"%fleet push: could not evaluate {expr!r}: {type(exc).__name__}: {exc}") from None
+        return values
+
+    @cell_magic
+    @_friendly
+    def distributed(self, line: str, cell: str):
+        """Run the cell on every rank of the fleet.
+
+        %%distributed [--strategy ddp|fsdp|none] [--mixed-precision no|fp16|bf16]
+                      [--grad-accum K] [--ranks 0,1] [--timeout S]
+
+        Each rank keeps its own namespace across cells. Defined in every cell:
+        accelerator (an accelerate.Accelerator built from the flags; FSDP is
+        FSDP2, also on CPU), rank, world_size, local_rank, device, workbench.
+        Output streams live per rank; an exception on any rank stops all ranks,
+        shows each distinct traceback once, and leaves the fleet usable.
+        The last expression's value on the first rank is shown as the result.
+        """
+        args = _distributed_parser().parse_args(shlex.split(line))
+        fleet = current_fleet()
+        if fleet is None:
+            raise UsageError("no fleet is running; start one with %fleet start -n 2")
+        options = CellOptions(args.strategy, args.mixed_precision, args.grad_accum)
+        result = fleet.execute(cell, options, ranks=args.ranks, timeout=args.timeout)
+        bundle = result.display(result.ranks[0])
+        return _RankValue(bundle) if bundle else None
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext workbench``: register the magics and stop the fleet at exit."""
+    ipython.register_magics(WorkbenchMagics)
+    atexit.register(_stop_current)

@@ -1,0 +1,120 @@
+"""Each rank's stdout/stderr, shown while a cell runs.
+
+In a Jupyter kernel every rank gets one output block that is updated in place
+(``display_id``); headless runs (nbconvert) keep the final text of each block.
+In a terminal or script, new lines are printed as they arrive, labelled by rank.
+Every line carries its rank label, so saved output reads well as plain text.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import time
+
+REFRESH_S = 0.1
+
+
+def in_kernel() -> bool:
+    """Whether we run inside a Jupyter kernel (where display updates work)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+def label_lines(rank: int, text: str, stream: str = "") -> str:
+    tag = f"[rank {rank}{' ' + stream if stream else ''}] "
+    return "".join(tag + line for line in text.splitlines(True))
+
+
+class RankOutput:
+    """Live per-rank output for one cell run."""
+
+    def __init__(self, ranks: list[int], live_blocks: bool | None = None) -> None:
+        self.ranks = ranks
+        self.live_blocks = in_kernel() if live_blocks is None else live_blocks
+        self._shown = {r: ("", "") for r in ranks}  # what each block shows now
+        self._printed = {r: [0, 0] for r in ranks}  # text mode: characters printed
+        self._handles = {}
+        self._last_refresh = 0.0
+
+    def update(self, texts: dict[int, tuple[str, str]], force: bool = False) -> None:
+        """Show the accumulated ``(stdout, stderr)`` of each rank."""
+        now = time.monotonic()
+        if not force and now - self._last_refresh < REFRESH_S:
+            return
+        self._last_refresh = now
+        for rank, (out, err) in texts.items():
+            if self.live_blocks:
+                self._update_block(rank, out, err)
+            else:
+                self._print_new(rank, out, err, final=force)
+
+    def _update_block(self, rank: int, out: str, err: str) -> None:
+        if (out, err) == self._shown[rank] or not (out or err):
+            return
+        from IPython.display import display
+
+        self._shown[rank] = (out, err)
+        bundle = {
+            "text/plain": label_lines(rank, out) + label_lines(rank, err, "stderr"),
+            "text/html": self._html(rank, out, err),
+        }
+        handle = self._handles.get(rank)
+        if handle is None:
+            self._handles[rank] = display(bundle, raw=True, display_id=True)
+        else:
+            handle.update(bundle, raw=True)
+
+    @staticmethod
+    def _html(rank: int, out: str, err: str) -> str:
+        parts = [
+            '<div class="workbench-rank" style="border-left:3px solid #888;padding-left:6px;margin:2px 0">',
+            f'<div style="font-weight:bold;font-size:90%">rank {rank}</div>',
+        ]
+        if out:
+            parts.append(f'<pre style="margin:0">{html.escape(out)}</pre>')
+        if err:
+            parts.append(f'<pre style="margin:0;color:#b22">{html.escape(err)}</pre>')
+        parts.append("</div>")
+        return "".join(parts)
+
+    def _print_new(self, rank: int, out: str, err: str, final: bool) -> None:
+        for index, (text, stream, target) in enumerate(((out, "", sys.stdout), (err, "stderr", sys.stderr))):
+            done = self._printed[rank][index]
+            new = text[done:]
+            if not final:
+                new = new[: new.rfind("\n") + 1]  # whole lines only while running
+            if new:
+                target.write(label_lines(rank, new if new.endswith("\n") else new + "\n", stream))
+                target.flush()
+                self._printed[rank][index] = done + len(new)
+
+
+class ProgressLine:
+    """One line of progress for long work (engine start-up), updated in place."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._handle = None
+        self._last = ""
+
+    def show(self, text: str, key: object = None) -> None:
+        """Show ``text``; outside a kernel only when ``key`` (default: the text) changes."""
+        key = text if key is None else key
+        if not self.enabled or key == self._last:
+            return
+        self._last = key
+        if in_kernel():
+            from IPython.display import display
+
+            bundle = {"text/plain": text}
+            if self._handle is None:
+                self._handle = display(bundle, raw=True, display_id=True)
+            else:
+                self._handle.update(bundle, raw=True)
+        else:
+            print(text, file=sys.stderr, flush=True)

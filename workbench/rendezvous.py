@@ -1,0 +1,182 @@
+"""torch.distributed set-up and tear-down, run on the engines.
+
+Single-host fleets rendezvous through a ``FileStore`` in the fleet's private
+runtime folder and bind gloo to loopback, so nothing listens beyond localhost.
+Fleets that span hosts use TCP on ``MASTER_ADDR:MASTER_PORT`` (rank 0's host).
+The chosen ``MASTER_ADDR``/``MASTER_PORT`` are exported on every rank either
+way, for code that reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RendezvousSpec:
+    """Everything one rank needs to join the process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    backend: str
+    timeout_s: float
+    generation: int
+    store_path: str | None = None  # FileStore for single-host fleets
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def identify() -> dict:
+    """Who this engine is: its slot (set by the fleet at launch), pid, host and GPU."""
+    return {
+        "slot": int(os.environ.get("WORKBENCH_SLOT", "-1")),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def free_port(loopback: bool = True) -> int:
+    """A TCP port that is free on this host right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK if loopback else "", 0))
+        return sock.getsockname()[1]
+
+
+def host_address() -> str:
+    """An address of this host that other hosts can reach."""
+    return socket.gethostbyname(socket.getfqdn())
+
+
+def join(spec: dict) -> dict:
+    """Join the process group described by ``spec`` (a :class:`RendezvousSpec` dict)."""
+    import torch
+    import torch.distributed as dist
+
+    from . import engine
+
+    spec = RendezvousSpec(**spec)
+    leave()
+    os.environ.update(
+        RANK=str(spec.rank),
+        WORLD_SIZE=str(spec.world_size),
+        LOCAL_RANK=str(spec.local_rank),
+        LOCAL_WORLD_SIZE=str(spec.local_world_size),
+        MASTER_ADDR=spec.master_addr,
+        MASTER_PORT=str(spec.master_port),
+    )
+    if spec.master_addr == LOOPBACK:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if os.environ.get("CUDA_VISIBLE_DEVICES") and torch.cuda.is_available():
+        # each engine sees exactly one GPU, so it is always cuda:0 here
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    elif os.environ.get("CUDA_VISIBLE_DEVICES"):
+        raise RuntimeError(
+            f"engine was given GPU {os.environ['CUDA_VISIBLE_DEVICES']} but torch sees no CUDA device "
+            "(is this a CPU build of torch?)"
+        )
+    else:
+        device = torch.device("cpu")
+    before = _tcp_connections()
+    timeout = timedelta(seconds=spec.timeout_s)
+    kwargs = dict(backend=spec.backend, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    if spec.store_path:
+        store = dist.FileStore(spec.store_path, spec.world_size)
+        dist.init_process_group(store=store, **kwargs)
+    else:
+        dist.init_process_group(init_method=f"tcp://{spec.master_addr}:{spec.master_port}", **kwargs)
+    engine.STATE.joined(spec, device, _tcp_connections() - before)
+    return {"rank": spec.rank, "device": str(device), "backend": dist.get_backend()}
+
+
+def _tcp_connections() -> set[tuple]:
+    import psutil
+
+    return {
+        (c.laddr, c.raddr)
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.status == psutil.CONN_ESTABLISHED
+    }
+
+
+def sever(peer_pids: list[int] = ()) -> int:
+    """Shut down this rank's connections to its peers; returns how many.
+
+    Peers blocked in a gloo collective with this rank then fail at once with
+    "Connection closed by peer". Destroying the process group is not enough:
+    a prepared model (DDP, FSDP) keeps the group, and its sockets, alive.
+    The connections are those the rendezvous opened, plus any to local peer
+    engines (groups made later with ``new_group``).
+    """
+    import psutil
+
+    from . import engine
+
+    targets = set(engine.STATE.pg_sockets)
+    peer_ports = set()
+    for pid in peer_pids:
+        try:
+            peer_ports |= {c.laddr for c in psutil.Process(pid).net_connections(kind="tcp") if c.laddr}
+        except psutil.Error:
+            pass
+    count = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.fd < 0 or not conn.raddr:
+            continue
+        if (conn.laddr, conn.raddr) in targets or conn.raddr in peer_ports:
+            try:
+                with socket.socket(fileno=os.dup(conn.fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+            except OSError:
+                pass
+    return count
+
+
+def leave(peer_pids: list[int] = ()) -> None:
+    """Release peers, destroy this rank's process group and accelerate's singletons."""
+    from . import engine
+
+    if peer_pids:
+        sever(peer_pids)
+    engine.STATE.left()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group may fail to close; it is gone either way
+            pass
+    try:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+    except ImportError:
+        pass
+
+
+def healthy(timeout_s: float = 5.0) -> bool:
+    """Whether every rank still answers on the current process group (gloo only)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    if dist.get_backend() != "gloo":
+        return False  # no cheap check with a timeout: the caller rebuilds
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        return True
+    except Exception:
+        return False

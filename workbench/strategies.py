@@ -1,0 +1,84 @@
+"""Per-cell training options and the Accelerator each rank builds from them.
+
+``CellOptions`` is validated in the kernel (one-line errors before anything
+runs); ``build_accelerator`` runs on the engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import OptionsError
+
+STRATEGIES = ("ddp", "fsdp", "none")
+PRECISIONS = ("no", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class CellOptions:
+    """What ``%%distributed --strategy/--mixed-precision/--grad-accum`` asked for."""
+
+    strategy: str = "ddp"
+    mixed_precision: str = "no"
+    grad_accum: int = 1
+
+    def validate(self, device_type: str) -> "CellOptions":
+        """Raise :class:`OptionsError` for a combination that cannot work on ``device_type``."""
+        if self.strategy not in STRATEGIES:
+            raise OptionsError(
+                f"unknown strategy {self.strategy!r}; use one of: {', '.join(STRATEGIES)}"
+            )
+        if self.mixed_precision not in PRECISIONS:
+            raise OptionsError(
+                f"unknown mixed precision {self.mixed_precision!r}; use one of: {', '.join(PRECISIONS)}"
+            )
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise OptionsError(f"--grad-accum must be a whole number >= 1 (got {self.grad_accum!r})")
+        if self.mixed_precision == "fp16" and device_type == "cpu":
+            raise OptionsError(
+                "fp16 mixed precision needs a GPU (it relies on CUDA's grad scaler); "
+                "on CPU use --mixed-precision bf16 or no"
+            )
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_accelerator(options: CellOptions, device_type: str):
+    """Create the ``accelerate.Accelerator`` for ``options`` on this rank.
+
+    The process group must already exist. accelerate enables FSDP only for
+    GPU-like device types and silently wraps DDP on CPU; for ``fsdp`` on CPU
+    the state is switched to FSDP explicitly, which accelerate's FSDP2 path
+    supports on gloo (parameters become DTensor shards).
+    """
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    # accelerate keeps process-wide singletons; a new configuration (or a new
+    # process group) needs them cleared first.
+    AcceleratorState._reset_state(True)
+    plugin = None
+    if options.strategy == "fsdp":
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
+    accelerator = Accelerator(
+        cpu=device_type == "cpu",
+        fsdp_plugin=plugin,
+        mixed_precision=options.mixed_precision,
+        gradient_accumulation_steps=options.grad_accum,
+    )
+    state = accelerator.state
+    wanted = {
+        "fsdp": DistributedType.FSDP,
+        "none": DistributedType.NO,
+    }.get(options.strategy)
+    if wanted is not None and state.distributed_type != wanted:
+        state.distributed_type = wanted
+        PartialState._shared_state["distributed_type"] = wanted
+        if wanted == DistributedType.FSDP:
+            if options.mixed_precision != "no":
+                plugin.set_mixed_precision(options.mixed_precision)
+            state.fsdp_plugin = plugin
+    return accelerator
