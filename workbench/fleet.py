@@ -106,7 +106,7 @@ class Fleet:
             progress.show("fleet: starting controller…")
             self._cluster = ipp.Cluster(
                 profile_dir=os.path.join(self.runtime_dir, "profile"),
-                log_level=logging.WARNING,
+                log_level=logging.ERROR,  # start-up failures are reported by us
                 engine_timeout=self.engine_timeout,
             )
             self._cluster.start_controller_sync()
@@ -133,6 +133,10 @@ class Fleet:
         processes = _process_trees([m.pid for m in self.members])
         self.client, self._cluster, self.members = None, None, []
         if client is not None:
+            try:  # engines that exit by themselves exit cleanly (and quietly)
+                client.shutdown(targets="all", hub=False, block=True)
+            except Exception:
+                pass
             try:
                 client.close()
             except Exception:

@@ -1,0 +1,107 @@
+"""Shared fixtures: one real 2-rank fleet for the Python-API tests, one real
+Jupyter kernel (with its own fleet) for the magic tests."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import psutil
+import pytest
+
+from workbench import Fleet
+
+IPP_MARKERS = ("ipyparallel", "ipengine", "ipcontroller", "workbench.reaper")
+
+
+def fleet_processes() -> list[psutil.Process]:
+    """Every engine, nanny, controller or reaper process on this machine."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if any(m in cmd for m in IPP_MARKERS) and proc.pid != os.getpid():
+            found.append(proc)
+    return found
+
+
+def wait_until_gone(pids, timeout=15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    return alive
+
+
+@pytest.fixture(scope="session")
+def fleet():
+    f = Fleet(n=2, progress=False).start()
+    yield f
+    f.stop()
+
+
+class Kernel:
+    """A real IPython kernel driven over its messaging protocol."""
+
+    def __init__(self):
+        from jupyter_client import KernelManager
+
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=os.getcwd())
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
+
+    def execute(self, code: str, timeout: float = 120, interrupt_after: float | None = None):
+        """Run ``code``; return (reply content, iopub messages with arrival times)."""
+        msg_id = self.kc.execute(code)
+        started = time.monotonic()
+        messages, reply, interrupted = [], None, False
+        while True:
+            if interrupt_after is not None and not interrupted and time.monotonic() - started > interrupt_after:
+                self.km.interrupt_kernel()
+                interrupted = True
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.1)
+            except queue.Empty:
+                if time.monotonic() - started > timeout:
+                    raise TimeoutError(code)
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            messages.append((time.monotonic() - started, msg))
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        reply = self.kc.get_shell_msg(timeout=timeout)
+        return reply["content"], messages
+
+    def text(self, messages) -> str:
+        """All text the cell showed: streams, displays (latest state), results, errors."""
+        parts = []
+        for _, msg in messages:
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                parts.append(content["text"])
+            elif msg["msg_type"] in ("display_data", "update_display_data", "execute_result"):
+                parts.append(content["data"].get("text/plain", ""))
+            elif msg["msg_type"] == "error":
+                parts.append("\n".join(content["traceback"]))
+        return "\n".join(parts)
+
+    def shutdown(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    reply, _ = k.execute("%load_ext workbench")
+    assert reply["status"] == "ok"
+    yield k
+    k.shutdown()

@@ -1,0 +1,196 @@
+"""The Python API on a real 2-rank gloo fleet (shared across this module)."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from workbench import DistributedCellError, Fleet, FleetError, OptionsError
+
+
+def test_ranks_have_their_names_and_a_working_process_group(fleet):
+    got = fleet.run("(rank, world_size, local_rank, str(device), type(accelerator).__name__, workbench.__name__)")
+    assert got == [(0, 2, 0, "cpu", "Accelerator", "workbench"), (1, 2, 1, "cpu", "Accelerator", "workbench")]
+    env = fleet.run("import os; {k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')}")
+    assert [e["RANK"] for e in env] == ["0", "1"] and {e["WORLD_SIZE"] for e in env} == {"2"}
+    assert env[0]["MASTER_ADDR"] == "127.0.0.1" and env[0]["MASTER_PORT"] == env[1]["MASTER_PORT"]
+    summed = fleet.run("import torch, torch.distributed as dist\nt = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nt")
+    assert [t.item() for t in summed] == [3.0, 3.0]
+    assert fleet.run("torch.distributed.get_backend()") == ["gloo", "gloo"]
+
+
+def test_namespace_persists_across_cells_per_rank(fleet):
+    fleet.run("counter = rank * 10")
+    fleet.run("counter += 1")
+    assert fleet.run("counter") == [1, 11]
+
+
+def test_functions_run_with_the_rank_namespace(fleet):
+    def square_rank(offset, scale=1):
+        return (rank + offset) ** 2 * scale  # noqa: F821 - defined on the engines
+
+    square_rank.__module__ = "__main__"  # as if typed in a notebook: sent by value
+    assert fleet.run(square_rank, 1, scale=2) == [2, 8]
+
+
+def test_push_and_pull(fleet):
+    fleet.push(lr=3e-4, tags=["a", "b"])
+    assert fleet.run("lr, tags") == [(3e-4, ["a", "b"]), (3e-4, ["a", "b"])]
+    fleet.run("import torch\nweights = torch.full((2,), float(rank))")
+    assert fleet.pull("weights", rank=1).tolist() == [1.0, 1.0]
+    with pytest.raises(FleetError, match="not defined"):
+        fleet.pull("no_such_name")
+    with pytest.raises(OptionsError, match="out of range"):
+        fleet.pull("weights", rank=7)
+
+
+def test_subset_of_ranks(fleet):
+    assert fleet.run("rank", ranks=[1]) == [1]
+    with pytest.raises(OptionsError, match="out of range"):
+        fleet.run("rank", ranks=[2])
+
+
+def test_status_table_rows(fleet):
+    rows = fleet.status()
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert {r["state"] for r in rows} == {"idle"}
+    assert all(r["pid"] > 0 and r["memory"].endswith("MiB") and r["device"] == "cpu" for r in rows)
+    assert len({r["engine"] for r in rows}) == 2
+
+
+class _Recorder(io.TextIOBase):
+    """A stdout that remembers when each piece of text arrived."""
+
+    def __init__(self):
+        self.chunks: list[tuple[float, str]] = []
+
+    def write(self, text):
+        self.chunks.append((time.monotonic(), text))
+        return len(text)
+
+
+def test_output_streams_live_labelled_by_rank(fleet, monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(sys, "stdout", recorder)
+    started = time.monotonic()
+    fleet.run("import time\nprint('tick', rank, flush=True)\ntime.sleep(2.5)\nprint('tock', rank)")
+    ended = time.monotonic()
+    monkeypatch.undo()
+    first_tick = min(t for t, text in recorder.chunks if "tick" in text)
+    assert ended - first_tick > 1.5, "output only arrived when the cell ended"
+    text = "".join(t for _, t in recorder.chunks)
+    for rank in (0, 1):
+        assert f"[rank {rank}] tick {rank}" in text and f"[rank {rank}] tock {rank}" in text
+    assert first_tick - started < 2.5
+
+
+def test_error_on_one_rank_releases_the_rank_blocked_in_all_reduce(fleet):
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "if rank == 1:\n"
+        "    raise ValueError('bad batch on rank 1')\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    started = time.monotonic()
+    with pytest.raises(DistributedCellError) as info:
+        fleet.run(code, show_output=False)
+    assert time.monotonic() - started < 10
+    err = info.value
+    groups = err.groups()
+    assert [ranks for ranks, _ in groups] == [[1]]
+    assert "ValueError: bad batch on rank 1" in groups[0][1].traceback
+    assert "<distributed-cell-" in groups[0][1].traceback and "workbench/engine.py" not in groups[0][1].traceback
+    report = err.report()
+    assert report.count("bad batch on rank 1") == 2  # the raise line and the message, once
+    assert "rank 0 stopped" in report
+    # the next cell works on the same fleet, with a rebuilt process group
+    assert [t.item() for t in fleet.run("t = torch.ones(1)\ndist.all_reduce(t)\nt")] == [2.0, 2.0]
+
+
+def test_same_error_on_every_rank_is_shown_once(fleet):
+    with pytest.raises(DistributedCellError) as info:
+        fleet.run("undefined_name + 1", show_output=False)
+    assert [ranks for ranks, _ in info.value.groups()] == [[0, 1]]
+    assert info.value.report().count("NameError") == 2  # header + the traceback's last line
+    assert fleet.run("1 + 1") == [2, 2]
+
+
+def test_prepared_ddp_model_keeps_training_after_a_failure_without_collectives(fleet):
+    fleet.run(
+        "import torch\nmodel = accelerator.prepare(torch.nn.Linear(4, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    )
+    with pytest.raises(DistributedCellError):
+        fleet.run("if rank == 0:\n    raise RuntimeError('only rank 0')", show_output=False)
+    # nobody was blocked, so the group was kept and the prepared model still works
+    loss = fleet.run("l = model(torch.ones(2, 4)).sum()\naccelerator.backward(l)\nopt.step()\nl.item()")
+    assert len(loss) == 2
+
+
+def _interrupt_soon(delay):
+    pid = os.getpid()
+    timer = threading.Timer(delay, lambda: os.kill(pid, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_interrupt_stops_every_rank_and_the_fleet_stays_usable(fleet):
+    code = "import time, torch\nif rank == 0:\n    time.sleep(60)\ntorch.distributed.all_reduce(torch.ones(1))"
+    _interrupt_soon(1.0)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        fleet.run(code, show_output=False)
+    assert time.monotonic() - started < 10
+    assert [t.item() for t in fleet.run("t = torch.ones(1)\ntorch.distributed.all_reduce(t)\nt")] == [2.0, 2.0]
+
+
+def test_timeout_stops_the_cell(fleet):
+    started = time.monotonic()
+    with pytest.raises(DistributedCellError, match="interrupt|KeyboardInterrupt|timeout") as info:
+        fleet.run("import time\ntime.sleep(30)", timeout=1, show_output=False)
+    assert time.monotonic() - started < 8
+    assert "--timeout 1 s" in info.value.report()
+    assert fleet.run("rank") == [0, 1]
+
+
+def test_ranks_stuck_in_cpp_are_killed_and_replaced(fleet):
+    """Both ranks wait for each other in recv: SIGINT cannot reach them, so they are replaced."""
+    fleet.run("marker = 'old namespace'")
+    old_pids = [m.pid for m in fleet.members]
+    code = "import torch, torch.distributed as dist\ndist.recv(torch.zeros(1), src=1 - rank)"
+    _interrupt_soon(0.5)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        fleet.run(code, show_output=False)
+    assert time.monotonic() - started < 30
+    assert all(p not in old_pids for p in (m.pid for m in fleet.members))
+    assert fleet.run("'marker' in dir()") == [False, False]
+    assert [t.item() for t in fleet.run("import torch\nt = torch.ones(1)\ntorch.distributed.all_reduce(t)\nt")] == [2.0, 2.0]
+
+
+def test_bad_options_are_refused_before_anything_runs(fleet):
+    with pytest.raises(OptionsError, match="unknown strategy"):
+        fleet.run("1", strategy="zero3")
+    with pytest.raises(OptionsError, match="unknown mixed precision"):
+        fleet.run("1", mixed_precision="fp8")
+    with pytest.raises(OptionsError, match="fp16 mixed precision needs a GPU"):
+        fleet.run("1", mixed_precision="fp16")
+    with pytest.raises(OptionsError, match="grad-accum"):
+        fleet.run("1", grad_accum=0)
+
+
+def test_start_twice_and_use_after_stop_are_refused():
+    f = Fleet(n=1, progress=False)
+    with pytest.raises(FleetError, match="no fleet is running"):
+        f.run("1")
+    with f:
+        with pytest.raises(FleetError, match="already running"):
+            f.start()
+        assert f.run("world_size") == [1]
+    assert not f.running
