@@ -1,0 +1,60 @@
+"""No engine, nanny or controller outlives its fleet: stop, kernel exit, kernel crash."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+from conftest import Kernel, wait_until_gone
+
+from workbench import Fleet
+
+
+def _tree(pid: int) -> list[int]:
+    proc = psutil.Process(pid)
+    return [pid] + [c.pid for c in proc.children(recursive=True)]
+
+
+def test_stop_leaves_no_process_and_no_runtime_files():
+    fleet = Fleet(n=2, progress=False).start()
+    runtime = fleet.runtime_dir
+    assert oct(os.stat(runtime).st_mode & 0o777) == "0o700"
+    pids = [p for m in fleet.members for p in _tree(m.pid)] + [fleet._cluster.controller.pid]
+    assert len(pids) >= 5  # 2 engines, 2 nannies, 1 controller
+    fleet.stop()
+    assert wait_until_gone(pids, timeout=10) == []
+    assert not os.path.exists(runtime)
+
+
+def _kernel_with_fleet():
+    kernel = Kernel()
+    reply, _ = kernel.execute("%load_ext workbench\n%fleet start -n 2")
+    assert reply["status"] == "ok"
+    reply, messages = kernel.execute(
+        "from workbench.magics import current_fleet\n"
+        "f = current_fleet()\n"
+        "import psutil\n"
+        "pids = [m.pid for m in f.members] + [c.pid for m in f.members for c in psutil.Process(m.pid).children()]\n"
+        "pids.append(f._cluster.controller.pid)\n"
+        "print('PIDS', *pids)"
+    )
+    text = kernel.text(messages)
+    pids = [int(p) for p in text.split("PIDS", 1)[1].split()]
+    return kernel, pids
+
+
+def test_kernel_shutdown_stops_the_fleet():
+    kernel, pids = _kernel_with_fleet()
+    assert all(psutil.pid_exists(p) for p in pids)
+    kernel.shutdown()
+    assert wait_until_gone(pids, timeout=20) == []
+
+
+def test_killed_kernel_leaves_nothing_behind():
+    kernel, pids = _kernel_with_fleet()
+    os.kill(kernel.pid, signal.SIGKILL)
+    assert wait_until_gone(pids, timeout=20) == []
+    kernel.kc.stop_channels()
+    kernel.km.cleanup_resources()

@@ -1,0 +1,127 @@
+"""The magics in a real Jupyter kernel: help, bad input, streaming, errors, interrupt."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _usage_error(kernel, code):
+    reply, messages = kernel.execute(code)
+    assert reply["status"] == "error", code
+    assert reply["ename"] == "UsageError", (code, reply["ename"], reply["evalue"])
+    shown = ANSI.sub("", kernel.text(messages)).strip()
+    assert len(shown.splitlines()) == 1, f"expected one line for {code!r}, got:\n{shown}"
+    return reply["evalue"]
+
+
+def _help(kernel, code):
+    reply, messages = kernel.execute(code)
+    pages = [p["data"].get("text/plain", "") for p in reply.get("payload", []) if p.get("source") == "page"]
+    return ANSI.sub("", "\n".join(pages) + kernel.text(messages))
+
+
+def test_help_text_on_every_magic(kernel):
+    text = _help(kernel, "%fleet?")
+    assert "%fleet start" in text and "--gpus" in text and "%fleet stop" in text
+    text = _help(kernel, "%%distributed?")
+    assert "--strategy" in text and "--mixed-precision" in text and "accelerator" in text
+
+
+def test_distributed_without_a_fleet(kernel):
+    assert "start one with %fleet start" in _usage_error(kernel, "%%distributed\nprint(1)")
+
+
+@pytest.mark.parametrize(
+    "line, hint",
+    [
+        ("%fleet start -n 0", "at least 1"),
+        ("%fleet start -n abc", "not a whole number"),
+        ("%fleet start --gpus 0,1", "not visible"),
+        ("%fleet start --backend carrier-pigeon", "unknown backend"),
+        ("%fleet frobnicate", "invalid choice"),
+        ("%fleet", "needs a command"),
+    ],
+)
+def test_bad_start_input_is_one_line(kernel, line, hint):
+    assert hint in _usage_error(kernel, line)
+
+
+def test_fleet_start_status_and_streaming(kernel):
+    reply, messages = kernel.execute("%fleet start -n 2")
+    assert reply["status"] == "ok"
+    assert "2 ranks ready" in kernel.text(messages)
+    reply, messages = kernel.execute("%fleet status")
+    table = kernel.text(messages)
+    assert re.search(r"^0\s+\d+\s+\d+\s+\S+\s+cpu\s+idle", table, re.M), table
+    assert re.search(r"^1\s+\d+\s+\d+\s+\S+\s+cpu\s+idle", table, re.M), table
+
+    reply, messages = kernel.execute(
+        "%%distributed\nimport time\nprint('first', rank, flush=True)\ntime.sleep(2)\nprint('second', rank)\nrank * 100"
+    )
+    assert reply["status"] == "ok"
+    end = messages[-1][0]
+    blocks = [(t, m) for t, m in messages if m["msg_type"] in ("display_data", "update_display_data")]
+    first = [t for t, m in blocks if "[rank 1] first 1" in m["content"]["data"].get("text/plain", "")]
+    assert first and end - first[0] > 1.0, "rank output was not streamed while the cell ran"
+    # one block per rank, updated in place
+    ids = {m["content"]["transient"]["display_id"] for _, m in blocks}
+    assert len(ids) == 2
+    assert any(m["msg_type"] == "update_display_data" for _, m in blocks)
+    results = [m for _, m in messages if m["msg_type"] == "execute_result"]
+    assert [r["content"]["data"]["text/plain"] for r in results] == ["0"]
+
+
+def test_bad_cell_flags_leave_the_fleet_untouched(kernel):
+    assert "unknown strategy" in _usage_error(kernel, "%%distributed --strategy zero3\n1")
+    assert "unknown mixed precision" in _usage_error(kernel, "%%distributed --mixed-precision fp8\n1")
+    assert "needs a GPU" in _usage_error(kernel, "%%distributed --mixed-precision fp16\n1")
+    assert "out of range" in _usage_error(kernel, "%%distributed --ranks 0,5\n1")
+    assert "not a comma-separated list" in _usage_error(kernel, "%%distributed --ranks x\n1")
+    assert "already running" in _usage_error(kernel, "%fleet start -n 2")
+    assert "not a number" in _usage_error(kernel, "%%distributed --timeout soon\n1")
+    reply, messages = kernel.execute("%%distributed\nworld_size")
+    assert reply["status"] == "ok" and "2" in kernel.text(messages)
+
+
+def test_push_pull_and_namespace(kernel):
+    reply, _ = kernel.execute("base = 7\n%fleet push offset=base*2")
+    assert reply["status"] == "ok"
+    reply, _ = kernel.execute("%%distributed\nimport torch\nvalue = torch.tensor([offset + rank])")
+    assert reply["status"] == "ok"
+    reply, messages = kernel.execute("v = %fleet pull value --rank 1\nprint(v.tolist())")
+    assert "[15]" in kernel.text(messages)
+    assert "NAME=EXPR" in _usage_error(kernel, "%fleet push 3")
+
+
+def test_failing_cell_raises_in_the_kernel_once_per_traceback(kernel):
+    reply, messages = kernel.execute(
+        "%%distributed\nimport torch.distributed as dist\n"
+        "if rank == 0:\n    raise KeyError('missing column')\n"
+        "dist.all_reduce(torch.ones(1))"
+    )
+    assert reply["status"] == "error"
+    text = ANSI.sub("", kernel.text(messages))
+    assert "KeyError on rank 0 of 2" in text
+    assert text.count("raise KeyError('missing column')") == 1
+    assert "rank 1 stopped" in text
+    assert "magics.py" not in text and "execution.py" not in text  # no kernel-side traceback spam
+    reply, messages = kernel.execute("%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert reply["status"] == "ok" and "2.0" in kernel.text(messages)
+
+
+def test_interrupting_the_kernel_stops_every_rank(kernel):
+    reply, messages = kernel.execute(
+        "%%distributed\nimport time\nif rank == 1:\n    time.sleep(120)\ndist.all_reduce(torch.ones(1))",
+        interrupt_after=2.0,
+        timeout=30,
+    )
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
+    assert messages[-1][0] < 15
+    reply, messages = kernel.execute("%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert reply["status"] == "ok" and "2.0" in kernel.text(messages)
+    reply, _ = kernel.execute("%fleet stop")
+    assert reply["status"] == "ok"

@@ -1,0 +1,41 @@
+"""Every notebook in notebooks/ runs headless in a real kernel and leaves no process behind."""
+
+from __future__ import annotations
+
+import pathlib
+
+import nbformat
+import pytest
+from conftest import fleet_processes
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def _outputs_text(nb) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream":
+                parts.append(out.text)
+            elif "data" in out:
+                parts.append(out.data.get("text/plain", ""))
+    return "\n".join(parts)
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "notebooks/ is empty"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs_headless(path, tmp_path):
+    before = {p.pid for p in fleet_processes()}
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    leftover = [p for p in fleet_processes() if p.pid not in before and p.is_running()]
+    assert not leftover, [p.cmdline() for p in leftover]
+    text = _outputs_text(nb)
+    if path.name == "01_quickstart.ipynb":
+        assert "[rank 0] epoch 0" in text and "[rank 1] epoch 4" in text
+        assert "DDP   loss" in text and "FSDP  loss" in text
+        assert "DTensor: local shard (64, 32) of (128, 32)" in text
