@@ -1,0 +1,44 @@
+"""The DDP training loop that bench_step_time runs both ways: under torchrun and in a fleet.
+
+As a script (torchrun): ``python -m torch.distributed.run --nproc-per-node 2 ddp_loop.py STEPS OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def loop(accelerator, steps: int, width: int = 1024, batch: int = 64) -> list[float]:
+    """Train an MLP for ``steps`` steps with accelerate's DDP; return each step's seconds."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, 2 * width), torch.nn.ReLU(), torch.nn.Linear(2 * width, width)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    g = torch.Generator().manual_seed(accelerator.process_index)
+    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+if __name__ == "__main__":
+    from accelerate import Accelerator
+
+    steps, out = int(sys.argv[1]), sys.argv[2]
+    accelerator = Accelerator(cpu=True)
+    times = loop(accelerator, steps)
+    if accelerator.process_index == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)

@@ -1,0 +1,9 @@
+"""Run every benchmark and print its ratios: ``python bench/run_all.py``."""
+
+import bench_launch
+import bench_roundtrip
+import bench_step_time
+
+if __name__ == "__main__":
+    for bench in (bench_roundtrip, bench_launch, bench_step_time):
+        bench.main()
