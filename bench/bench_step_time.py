@@ -16,7 +16,7 @@ from common import median, quiet_env, report
 from workbench import Fleet
 
 HERE = pathlib.Path(__file__).parent
-STEPS, WARMUP, ROUNDS = 60, 10, 3
+STEPS, WARMUP, ROUNDS = 80, 10, 4
 
 
 def torchrun_steps() -> list[float]:

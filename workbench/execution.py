@@ -20,7 +20,7 @@ from . import rendezvous
 from .errors import WorkbenchError
 from .output import RankOutput
 
-POLL_S = 0.05
+POLL_S = 0.1  # streaming refresh and timeout granularity; results wake us at once
 FAILURE_GRACE_S = 0.2  # let ranks failing with the same error report together
 
 
