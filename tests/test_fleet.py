@@ -14,6 +14,9 @@ import pytest
 from workbench import DistributedCellError, Fleet, FleetError, OptionsError
 
 
+ALL_REDUCE = "import torch\nt = torch.ones(1)\ntorch.distributed.all_reduce(t)\nt.item()"
+
+
 def test_ranks_have_their_names_and_a_working_process_group(fleet):
     got = fleet.run("(rank, world_size, local_rank, str(device), type(accelerator).__name__, workbench.__name__)")
     assert got == [(0, 2, 0, "cpu", "Accelerator", "workbench"), (1, 2, 1, "cpu", "Accelerator", "workbench")]
@@ -110,7 +113,7 @@ def test_error_on_one_rank_releases_the_rank_blocked_in_all_reduce(fleet):
     assert report.count("bad batch on rank 1") == 2  # the raise line and the message, once
     assert "rank 0 stopped" in report
     # the next cell works on the same fleet, with a rebuilt process group
-    assert [t.item() for t in fleet.run("t = torch.ones(1)\ndist.all_reduce(t)\nt")] == [2.0, 2.0]
+    assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
 
 
 def test_same_error_on_every_rank_is_shown_once(fleet):
@@ -147,15 +150,15 @@ def test_interrupt_stops_every_rank_and_the_fleet_stays_usable(fleet):
     with pytest.raises(KeyboardInterrupt):
         fleet.run(code, show_output=False)
     assert time.monotonic() - started < 10
-    assert [t.item() for t in fleet.run("t = torch.ones(1)\ntorch.distributed.all_reduce(t)\nt")] == [2.0, 2.0]
+    assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
 
 
 def test_timeout_stops_the_cell(fleet):
     started = time.monotonic()
-    with pytest.raises(DistributedCellError, match="interrupt|KeyboardInterrupt|timeout") as info:
+    with pytest.raises(DistributedCellError, match="timed out after --timeout 1 s") as info:
         fleet.run("import time\ntime.sleep(30)", timeout=1, show_output=False)
     assert time.monotonic() - started < 8
-    assert "--timeout 1 s" in info.value.report()
+    assert "rank 0,1 stopped because of the timeout" in info.value.report()
     assert fleet.run("rank") == [0, 1]
 
 
@@ -171,7 +174,7 @@ def test_ranks_stuck_in_cpp_are_killed_and_replaced(fleet):
     assert time.monotonic() - started < 30
     assert all(p not in old_pids for p in (m.pid for m in fleet.members))
     assert fleet.run("'marker' in dir()") == [False, False]
-    assert [t.item() for t in fleet.run("import torch\nt = torch.ones(1)\ntorch.distributed.all_reduce(t)\nt")] == [2.0, 2.0]
+    assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
 
 
 def test_bad_options_are_refused_before_anything_runs(fleet):

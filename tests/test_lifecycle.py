@@ -58,3 +58,21 @@ def test_killed_kernel_leaves_nothing_behind():
     assert wait_until_gone(pids, timeout=20) == []
     kernel.kc.stop_channels()
     kernel.km.cleanup_resources()
+
+
+def test_script_that_exits_without_stopping_leaves_nothing_behind(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "forgot_to_stop.py"
+    script.write_text(
+        "from workbench import Fleet\n"
+        "import psutil\n"
+        "f = Fleet(n=2, progress=False).start()\n"
+        "pids = [m.pid for m in f.members] + [c.pid for m in f.members for c in psutil.Process(m.pid).children()]\n"
+        "print(*pids, f._cluster.controller.pid, flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 5, out.stderr
+    assert wait_until_gone(pids, timeout=20) == []

@@ -49,7 +49,10 @@ class CellResult:
 class DistributedCellError(WorkbenchError):
     """One or more ranks raised. Each distinct traceback is shown once."""
 
-    def __init__(self, failures: list[RankFailure], world: int, notes: list[str], interrupted: bool = False):
+    def __init__(
+        self, failures: list[RankFailure], world: int, notes: list[str], interrupted: bool = False,
+        timed_out: float | None = None,
+    ):
         self.failures = sorted(failures, key=lambda f: f.rank)
         self.world = world
         self.notes = notes
@@ -57,7 +60,11 @@ class DistributedCellError(WorkbenchError):
         first = [f for f in self.failures if not f.stopped] or self.failures
         lead = first[0]
         ranks = _ranks([f.rank for f in first if f.traceback == lead.traceback])
-        what = "interrupted" if interrupted else f"{lead.ename}: {lead.evalue}"
+        what = f"{lead.ename}: {lead.evalue}"
+        if interrupted:
+            what = "interrupted"
+        elif timed_out is not None and not [f for f in self.failures if not f.stopped]:
+            what = f"timed out after --timeout {timed_out:g} s"
         super().__init__(f"{what} (rank {ranks} of {world})")
 
     def groups(self) -> list[tuple[list[int], RankFailure]]:
@@ -75,7 +82,7 @@ class DistributedCellError(WorkbenchError):
             lines.append(failure.traceback.rstrip() or f"{failure.ename}: {failure.evalue}")
         stopped = [f for f in self.failures if f.stopped]
         if stopped:
-            why = "the interrupt" if self.interrupted else "the failure above"
+            why = "the interrupt" if self.interrupted else "the failure above" if self.groups() else "the timeout"
             lines.append(f"rank {_ranks([f.rank for f in stopped])} stopped because of {why} "
                          f"({stopped[0].ename}: {_last_line(stopped[0].evalue)})")
         lines.extend(self.notes)
@@ -199,7 +206,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
         print(err.report())
         raise KeyboardInterrupt
     if failures:
-        raise DistributedCellError(failures, fleet.world_size, notes)
+        raise DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None)
     return result
 
 

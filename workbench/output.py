@@ -8,7 +8,6 @@ Every line carries its rank label, so saved output reads well as plain text.
 
 from __future__ import annotations
 
-import html
 import sys
 import time
 
@@ -59,28 +58,12 @@ class RankOutput:
         from IPython.display import display
 
         self._shown[rank] = (out, err)
-        bundle = {
-            "text/plain": label_lines(rank, out) + label_lines(rank, err, "stderr"),
-            "text/html": self._html(rank, out, err),
-        }
+        bundle = {"text/plain": label_lines(rank, out) + label_lines(rank, err, "stderr")}
         handle = self._handles.get(rank)
         if handle is None:
             self._handles[rank] = display(bundle, raw=True, display_id=True)
         else:
             handle.update(bundle, raw=True)
-
-    @staticmethod
-    def _html(rank: int, out: str, err: str) -> str:
-        parts = [
-            '<div class="workbench-rank" style="border-left:3px solid #888;padding-left:6px;margin:2px 0">',
-            f'<div style="font-weight:bold;font-size:90%">rank {rank}</div>',
-        ]
-        if out:
-            parts.append(f'<pre style="margin:0">{html.escape(out)}</pre>')
-        if err:
-            parts.append(f'<pre style="margin:0;color:#b22">{html.escape(err)}</pre>')
-        parts.append("</div>")
-        return "".join(parts)
 
     def _print_new(self, rank: int, out: str, err: str, final: bool) -> None:
         for index, (text, stream, target) in enumerate(((out, "", sys.stdout), (err, "stderr", sys.stderr))):
