@@ -28,6 +28,19 @@ def test_ranks_have_their_names_and_a_working_process_group(fleet):
     assert fleet.run("torch.distributed.get_backend()") == ["gloo", "gloo"]
 
 
+def test_nothing_listens_beyond_localhost(fleet):
+    import psutil
+
+    fleet.run(ALL_REDUCE)
+    pids = [m.pid for m in fleet.members] + [fleet._cluster.controller.pid]
+    listening = [
+        c.laddr for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening
+    assert {addr.ip for addr in listening} <= {"127.0.0.1", "::1"}, listening
+
+
 def test_namespace_persists_across_cells_per_rank(fleet):
     fleet.run("counter = rank * 10")
     fleet.run("counter += 1")
@@ -197,3 +210,12 @@ def test_start_twice_and_use_after_stop_are_refused():
             f.start()
         assert f.run("world_size") == [1]
     assert not f.running
+
+
+def test_status_while_a_cell_runs_shows_busy(fleet):
+    pending = fleet.client[fleet.engine_ids([1])].apply_async(__import__("time").sleep, 2)
+    time.sleep(0.3)
+    rows = fleet.status()
+    pending.get()
+    assert [r["state"] for r in rows] == ["idle", "busy"]
+    assert rows[1]["memory"].endswith("MiB")

@@ -173,6 +173,17 @@ def pull(name: str) -> dict:
     return {"ok": True, "value": to_cpu(ns[name]), "display": None}
 
 
+def memory_report() -> str:
+    """This rank's resident memory, plus CUDA memory allocated when on a GPU."""
+    import psutil
+
+    text = f"{psutil.Process().memory_info().rss / 2**20:.0f} MiB"
+    torch = sys.modules.get("torch")
+    if torch is not None and STATE.device is not None and STATE.device.type == "cuda":
+        text += f" (cuda {torch.cuda.memory_allocated(STATE.device) / 2**20:.0f} MiB)"
+    return text
+
+
 def push(values: dict) -> None:
     """Set ``values`` in this rank's namespace."""
     _namespace().update(values)

@@ -228,7 +228,10 @@ def _act(fleet, action: str, ranks: list[int], pending: dict) -> str:
         if idle:
             # closing the group's sockets on idle ranks releases peers blocked in a collective
             peers = [fleet.member(r).pid for r in running]
-            fleet.client[fleet.engine_ids(idle)].apply_sync(rendezvous.leave, peers)
+            try:
+                fleet.client[fleet.engine_ids(idle)].apply_async(rendezvous.leave, peers).get(timeout=5)
+            except Exception:
+                pass  # an idle rank that cannot answer is handled by the kill step
             return "released"
     return action
 
@@ -255,7 +258,10 @@ def _repair(fleet, ranks: list[int], abnormal: bool, torn: bool, killed: bool) -
                 return []
         except Exception:
             pass
-    fleet.rendezvous()
+    try:
+        fleet.rendezvous()
+    except WorkbenchError as exc:
+        return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"]
     notes = ["the process group was rebuilt; models and optimizers prepared before are bound to the old "
              "group: run the cell that calls accelerator.prepare again"]
     if killed:

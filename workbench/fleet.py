@@ -401,14 +401,22 @@ class Fleet:
             return []
         alive = set(self.client.ids)
         queues = self.client.queue_status()
+        states = {}
+        for m in self.members:
+            states[m.rank] = "dead"
+            if m.engine_id in alive:
+                states[m.rank] = "busy" if queues.get(m.engine_id, {}).get("queue", 0) else "idle"
+        idle = [m for m in self.members if states[m.rank] == "idle"]
+        asked = {m.rank: self.client[m.engine_id].apply_async(engine.memory_report) for m in idle}
         rows = []
         for m in self.members:
-            state = "dead"
-            if m.engine_id in alive:
-                state = "busy" if queues.get(m.engine_id, {}).get("queue", 0) else "idle"
+            try:
+                memory = asked[m.rank].get(timeout=2) if m.rank in asked else _memory(m)
+            except Exception:
+                memory = _memory(m)
             rows.append({
                 "rank": m.rank, "engine": m.engine_id, "pid": m.pid, "host": m.host,
-                "device": m.device, "state": state, "memory": _memory(m),
+                "device": m.device, "state": states[m.rank], "memory": memory,
             })
         return rows
 
@@ -425,7 +433,7 @@ def _process_trees(pids: list[int]) -> list[psutil.Process]:
 
 
 def _memory(member: Member) -> str:
-    """Resident memory of a local engine (remote engines: unknown)."""
+    """Resident memory of a busy local engine, read from outside (remote: unknown)."""
     import socket
 
     if member.host != socket.gethostname():
