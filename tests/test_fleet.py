@@ -149,20 +149,19 @@ def test_prepared_ddp_model_keeps_training_after_a_failure_without_collectives(f
     assert len(loss) == 2
 
 
-def _interrupt_soon(delay):
+def _seconds_until_interrupted(fleet, code: str, interrupt_after: float) -> float:
+    """Run ``code``, SIGINT this process (as Ctrl-C would) after a delay; the run must raise KeyboardInterrupt."""
     pid = os.getpid()
-    timer = threading.Timer(delay, lambda: os.kill(pid, signal.SIGINT))
-    timer.start()
-    return timer
+    threading.Timer(interrupt_after, lambda: os.kill(pid, signal.SIGINT)).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        fleet.run(code, show_output=False)
+    return time.monotonic() - started
 
 
 def test_interrupt_stops_every_rank_and_the_fleet_stays_usable(fleet):
     code = "import time, torch\nif rank == 0:\n    time.sleep(60)\ntorch.distributed.all_reduce(torch.ones(1))"
-    _interrupt_soon(1.0)
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        fleet.run(code, show_output=False)
-    assert time.monotonic() - started < 10
+    assert _seconds_until_interrupted(fleet, code, 1.0) < 10
     assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
 
 
@@ -180,11 +179,7 @@ def test_ranks_stuck_in_cpp_are_killed_and_replaced(fleet):
     fleet.run("marker = 'old namespace'")
     old_pids = [m.pid for m in fleet.members]
     code = "import torch, torch.distributed as dist\ndist.recv(torch.zeros(1), src=1 - rank)"
-    _interrupt_soon(0.5)
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        fleet.run(code, show_output=False)
-    assert time.monotonic() - started < 30
+    assert _seconds_until_interrupted(fleet, code, 0.5) < 30
     assert all(p not in old_pids for p in (m.pid for m in fleet.members))
     assert fleet.run("'marker' in dir()") == [False, False]
     assert fleet.run(ALL_REDUCE) == [2.0, 2.0]

@@ -139,7 +139,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     client = fleet.client
     started = time.monotonic()
     pending = {r: client[fleet.member(r).engine_id].apply_async(function, *args) for r in ranks}
-    futures = {ar: r for r, ar in pending.items()}
+    submitted = dict(pending)  # pending loses ranks as they finish; their output stays
     output = RankOutput(ranks) if show_output else None
     shown_outputs = 0
     result = CellResult(ranks)
@@ -152,10 +152,9 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
         nonlocal shown_outputs
         if output is None:
             return
-        output.update({r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr")) for r, ar in futures_by_rank.items()},
+        output.update({r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr")) for r, ar in submitted.items()},
                       force=force)
-        rank0 = futures_by_rank.get(ranks[0])
-        outs = rank0.outputs if rank0 is not None else []
+        outs = submitted[ranks[0]].outputs
         if output.live_blocks and len(outs) > shown_outputs:
             from IPython.display import display
 
@@ -163,7 +162,6 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                 display(item.get("data", {}), raw=True, metadata=item.get("metadata", {}))
             shown_outputs = len(outs)
 
-    futures_by_rank = dict(pending)
     while pending:
         try:
             concurrent.futures.wait(list(pending.values()), timeout=POLL_S,
@@ -186,7 +184,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
             refresh()
             if stopper is not None and pending:
                 for action in stopper.due(now):
-                    released |= _act(fleet, action, ranks, pending) == "released"
+                    released |= _act(fleet, action, pending) == "released"
                     if action == "kill" and pending:
                         killed = True
                         _kill(fleet, pending, failures, result)
@@ -219,7 +217,7 @@ def _reply(ar) -> dict:
         return {"ok": False, "ename": ename, "evalue": evalue, "traceback": f"{ename}: {evalue}"}
 
 
-def _act(fleet, action: str, ranks: list[int], pending: dict) -> str:
+def _act(fleet, action: str, pending: dict) -> str:
     running = sorted(pending)
     if action == "sigint":
         fleet.signal(running, signal.SIGINT)
