@@ -70,7 +70,7 @@ class Kernel:
                 msg = self.kc.get_iopub_msg(timeout=0.1)
             except queue.Empty:
                 if time.monotonic() - started > timeout:
-                    raise TimeoutError(code)
+                    raise TimeoutError(code) from None
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import psutil
 from conftest import Kernel, wait_until_gone

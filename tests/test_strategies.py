@@ -44,7 +44,7 @@ def test_fsdp_parameters_are_dtensor_shards_of_one_over_world(fleet):
             if full >= 16:
                 assert abs(local / full - 0.5) <= 0.5 / 8 + 1e-9, (name, local, full)
     # the shards of rank 0 and 1 together hold every element exactly once
-    for p0, p1 in zip(*info):
+    for p0, p1 in zip(*info, strict=True):
         assert p0[2] + p1[2] == p0[3]
 
 

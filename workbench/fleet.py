@@ -224,7 +224,7 @@ class Fleet:
         new_ids = [e for e in self.client.ids if e not in known]
         infos = self.client[new_ids].apply_sync(rendezvous.identify)
         by_slot = {slot.slot: (set_id, slot) for set_id, slot in sets.items()}
-        for engine_id, info in zip(new_ids, infos):
+        for engine_id, info in zip(new_ids, infos, strict=True):
             set_id, slot = by_slot[info["slot"]]
             self.members.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
         self.members.sort(key=lambda m: m.slot.slot)
