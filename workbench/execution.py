@@ -57,13 +57,14 @@ class DistributedCellError(WorkbenchError):
         self.world = world
         self.notes = notes
         self.interrupted = interrupted
-        first = [f for f in self.failures if not f.stopped] or self.failures
+        primary = [f for f in self.failures if not f.stopped]
+        first = primary or self.failures
         lead = first[0]
         ranks = _ranks([f.rank for f in first if f.traceback == lead.traceback])
         what = f"{lead.ename}: {lead.evalue}"
         if interrupted:
             what = "interrupted"
-        elif timed_out is not None and not [f for f in self.failures if not f.stopped]:
+        elif timed_out is not None and not primary:
             what = f"timed out after --timeout {timed_out:g} s"
         super().__init__(f"{what} (rank {ranks} of {world})")
 
@@ -84,7 +85,7 @@ class DistributedCellError(WorkbenchError):
         if stopped:
             why = "the interrupt" if self.interrupted else "the failure above" if self.groups() else "the timeout"
             lines.append(f"rank {_ranks([f.rank for f in stopped])} stopped because of {why} "
-                         f"({stopped[0].ename}: {_last_line(stopped[0].evalue)})")
+                         f"({stopped[0].ename}: {last_line(stopped[0].evalue)})")
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -96,9 +97,10 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(str(r) for r in sorted(ranks))
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str, limit: int | None = 200) -> str:
+    """The last non-empty line of ``text``, cut to ``limit`` characters."""
     lines = [line for line in str(text).strip().splitlines() if line.strip()]
-    return lines[-1][:200] if lines else ""
+    return lines[-1][:limit] if lines else ""
 
 
 class _Stopper:
@@ -196,7 +198,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                 stopper.hurry()
     refresh(force=True)
 
-    notes = _repair(fleet, ranks, bool(failures) or interrupted or timed_out, released or killed, killed)
+    notes = _repair(fleet, bool(failures) or interrupted or timed_out, released or killed, killed)
     if timed_out:
         notes.insert(0, f"the cell ran past --timeout {timeout:g} s and was stopped on every rank")
     if interrupted:
@@ -245,7 +247,7 @@ def _kill(fleet, pending: dict, failures: list[RankFailure], result: CellResult)
     fleet.replace(stuck)
 
 
-def _repair(fleet, ranks: list[int], abnormal: bool, torn: bool, killed: bool) -> list[str]:
+def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> list[str]:
     """Rebuild the process group if the cell may have left it inconsistent."""
     if not abnormal:
         return []

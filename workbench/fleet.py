@@ -448,5 +448,4 @@ def _memory(member: Member) -> str:
 def _one_line(exc: BaseException) -> str:
     text = getattr(exc, "evalue", None) or str(exc)
     name = getattr(exc, "ename", None) or type(exc).__name__
-    lines = [line for line in str(text).strip().splitlines() if line.strip()]
-    return f"{name}: {lines[-1] if lines else ''}"
+    return f"{name}: {execution.last_line(text, limit=None)}"
