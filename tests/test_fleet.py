@@ -13,7 +13,6 @@ import pytest
 
 from workbench import DistributedCellError, Fleet, FleetError, OptionsError
 
-
 ALL_REDUCE = "import torch\nt = torch.ones(1)\ntorch.distributed.all_reduce(t)\nt.item()"
 
 

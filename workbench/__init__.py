@@ -4,9 +4,13 @@ Kernel side: :class:`Fleet` and the ``%fleet`` / ``%%distributed`` magics
 (``%load_ext workbench``). Engine side, inside cells: ``workbench`` is defined.
 """
 
+import sys
+import types
+
 from .errors import FleetError, OptionsError, WorkbenchError
 from .execution import DistributedCellError
 from .fleet import Fleet
+from .metrics import log, progress
 from .strategies import CellOptions
 
 __all__ = [
@@ -17,6 +21,8 @@ __all__ = [
     "OptionsError",
     "WorkbenchError",
     "load_ipython_extension",
+    "log",
+    "progress",
 ]
 __version__ = "0.1.0"
 
@@ -25,3 +31,21 @@ def load_ipython_extension(ipython):
     from .magics import load_ipython_extension as load
 
     load(ipython)
+
+
+class _Module(types.ModuleType):
+    @property
+    def step(self) -> int:
+        """Training steps this rank has completed (``workbench.log`` calls or optimizer steps)."""
+        from .metrics.logger import LOGGER
+
+        return LOGGER.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        from .metrics.logger import LOGGER
+
+        LOGGER.step = int(value)
+
+
+sys.modules[__name__].__class__ = _Module

@@ -12,6 +12,7 @@ import sys
 import traceback
 from typing import Any
 
+from .metrics.logger import LOGGER
 from .strategies import CellOptions
 
 
@@ -120,12 +121,13 @@ def run_cell(
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel as this rank's error
         return _failure(exc, skip_frames=0)
     filename = f"<{cell_name}>"
+    LOGGER.cell_started()
     try:
         body, last = _compile_cell(code, filename)
         exec(body, ns)
         value = eval(last, ns) if last is not None else None
     except BaseException as exc:  # noqa: BLE001
-        return _failure(exc, skip_frames=1)
+        return _with_metrics(_failure(exc, skip_frames=1))
     result = {"ok": True, "value": None, "display": None}
     if value is not None:
         ns["_"] = value
@@ -133,7 +135,7 @@ def run_cell(
             result["value"] = to_cpu(value)
         if display_value:
             result["display"] = _format(value)
-    return result
+    return _with_metrics(result)
 
 
 def run_function(fn, args: tuple, kwargs: dict, options: dict) -> dict:
@@ -141,10 +143,25 @@ def run_function(fn, args: tuple, kwargs: dict, options: dict) -> dict:
     ns = _namespace()
     try:
         ns.update(STATE.names(CellOptions(**options)))
+        LOGGER.cell_started()
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001
-        return _failure(exc, skip_frames=1)
-    return {"ok": True, "value": to_cpu(value), "display": None}
+        return _with_metrics(_failure(exc, skip_frames=1))
+    return _with_metrics({"ok": True, "value": to_cpu(value), "display": None})
+
+
+def _with_metrics(reply: dict) -> dict:
+    """Add how many metrics records this rank sent, so the kernel can wait for them."""
+    import os
+
+    LOGGER.cell_finished()
+    reply["metrics"] = {"pid": os.getpid(), "seq": LOGGER.flush()}
+    return reply
+
+
+def attach_metrics(address: str) -> None:
+    """Send this rank's ``workbench.log`` records to the kernel's collector at ``address``."""
+    LOGGER.attach(address)
 
 
 def to_cpu(value: Any) -> Any:

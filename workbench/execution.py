@@ -143,6 +143,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     pending = {r: client[fleet.member(r).engine_id].apply_async(function, *args) for r in ranks}
     submitted = dict(pending)  # pending loses ranks as they finish; their output stays
     output = RankOutput(ranks) if show_output else None
+    watch = fleet.metrics.watch(show_output)
     shown_outputs = 0
     result = CellResult(ranks)
     failures: list[RankFailure] = []
@@ -152,6 +153,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
 
     def refresh(force=False):
         nonlocal shown_outputs
+        watch.poll()
         if output is None:
             return
         output.update({r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr")) for r, ar in submitted.items()},
@@ -197,6 +199,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
             else:
                 stopper.hurry()
     refresh(force=True)
+    watch.finish(result.replies)
 
     notes = _repair(fleet, bool(failures) or interrupted or timed_out, released or killed, killed)
     if timed_out:

@@ -14,16 +14,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
 from . import engine, execution, rendezvous
 from .devices import EngineSlot, parse_gpu_list, plan_engines
 from .errors import FleetError, OptionsError
+from .metrics.live import FleetMetrics
 from .output import ProgressLine
 from .reaper import write_pids
+from .runs import new_run_dir
 from .strategies import CellOptions
 
 DEFAULT_PG_TIMEOUT_S = 300.0
@@ -62,6 +65,8 @@ class Fleet:
         pg_timeout: float = DEFAULT_PG_TIMEOUT_S,
         engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S,
         progress: bool = True,
+        runs_dir: str | None = None,
+        wandb: bool | None = None,
     ) -> None:
         if isinstance(gpus, str):
             gpus = parse_gpu_list(gpus)
@@ -75,6 +80,11 @@ class Fleet:
         self.pg_timeout = float(pg_timeout)
         self.engine_timeout = float(engine_timeout)
         self.progress = progress
+        self.runs_dir = runs_dir
+        self.wandb = wandb
+        self.run_id: str | None = None
+        self.run_dir: str | None = None
+        self.metrics: FleetMetrics | None = None
         self.members: list[Member] = []
         self.generation = 0
         self.runtime_dir: str | None = None
@@ -103,6 +113,12 @@ class Fleet:
         progress = ProgressLine(self.progress)
         self.runtime_dir = tempfile.mkdtemp(prefix="workbench-")  # mode 0700
         try:
+            self.run_id, self.run_dir = new_run_dir(self.runs_dir)
+            self.metrics = FleetMetrics(
+                self.run_id, self.run_dir, self.runtime_dir, lambda: self.world_size,
+                {"ranks": len(self._slots), "backend": self.backend, "device_type": self.device_type},
+                wandb=self.wandb,
+            )
             progress.show("fleet: starting controller…")
             self._cluster = ipp.Cluster(
                 profile_dir=os.path.join(self.runtime_dir, "profile"),
@@ -132,6 +148,8 @@ class Fleet:
         client, cluster = self.client, self._cluster
         processes = _process_trees([m.pid for m in self.members])
         self.client, self._cluster, self.members = None, None, []
+        if self.metrics is not None:
+            self.metrics.close()  # the records stay readable in fleet.metrics.store
         if client is not None:
             try:  # engines that exit by themselves exit cleanly (and quietly)
                 client.shutdown(targets="all", hub=False, block=True)
@@ -231,6 +249,7 @@ class Fleet:
         for rank, member in enumerate(self.members):
             member.rank = rank
         self._record_pids()
+        self.client[new_ids].apply_sync(engine.attach_metrics, self.metrics.address)
 
     def _record_pids(self) -> None:
         pids = [m.pid for m in self.members]

@@ -48,12 +48,12 @@ class CellOptions:
 def build_accelerator(options: CellOptions, device_type: str):
     """Create the ``accelerate.Accelerator`` for ``options`` on this rank.
 
-    The process group must already exist. accelerate enables FSDP only for
+    Its ``prepare`` also adds workbench's step and communication measurements
+    (:mod:`workbench.metrics.instrument`). The process group must already exist. accelerate enables FSDP only for
     GPU-like device types and silently wraps DDP on CPU; for ``fsdp`` on CPU
     the state is switched to FSDP explicitly, which accelerate's FSDP2 path
     supports on gloo (parameters become DTensor shards).
     """
-    from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -63,7 +63,9 @@ def build_accelerator(options: CellOptions, device_type: str):
     plugin = None
     if options.strategy == "fsdp":
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
-    accelerator = Accelerator(
+    from .metrics.instrument import accelerator_class
+
+    accelerator = accelerator_class()(
         cpu=device_type == "cpu",
         fsdp_plugin=plugin,
         mixed_precision=options.mixed_precision,

@@ -1,0 +1,12 @@
+"""Live metrics: ``workbench.log`` on the ranks, a collector, dashboard and sinks in the kernel.
+
+Engine side: :mod:`.logger` (``log``, ``progress``, the sender) and
+:mod:`.instrument` (step, throughput and communication measurements).
+Kernel side: :mod:`.collector` (zmq receiver), :mod:`.store`, :mod:`.live`
+(per-cell display), :mod:`.dashboard` (widget), :mod:`.summary` (text),
+:mod:`.wandb_sink`.
+"""
+
+from .logger import log, progress
+
+__all__ = ["log", "progress"]

@@ -1,0 +1,120 @@
+"""Kernel side: receive the ranks' records while cells run, and fan them out.
+
+Each engine's sender pushes JSON batches over zmq (PUSH → one PULL socket
+here). ipyparallel's ``publish_data`` was not used: it keeps only the latest
+value per key and the hub does not keep it, while the dashboard, the metrics
+file and wandb need every record, in order. A PUSH/PULL pipe over one
+connection per engine is ordered and lossless while both ends live, needs no
+extra service, and batches cheaply. The socket is a Unix socket (``ipc://``)
+in the fleet's private runtime folder, so nothing listens on the network.
+
+A receiver thread adds records to the :class:`MetricsStore` and writes them
+to ``metrics.jsonl`` and wandb as they come.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from .store import MetricsStore
+
+
+class JsonlSink:
+    """``<run>/metrics.jsonl``: one JSON object a line (time, rank, step, scalars, system)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._file = os.fdopen(fd, "a", buffering=1)
+
+    def write(self, records) -> None:
+        self._file.write("".join(json.dumps(r.to_json()) + "\n" for r in records))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class MetricsCollector:
+    """The kernel's end of the metrics pipe for one fleet run."""
+
+    def __init__(self, run_dir: str, runtime_dir: str, sinks: list | None = None) -> None:
+        import zmq
+
+        self.run_dir = run_dir
+        self.store = MetricsStore()
+        self.sinks = [JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])]
+        self.errors: list[str] = []
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.address = f"ipc://{os.path.join(runtime_dir, 'metrics.sock')}"
+        self._socket.bind(self.address)
+        self._stopping = threading.Event()
+        self._sink_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._receive_loop, name="workbench-collector", daemon=True)
+        self._thread.start()
+
+    def _receive_loop(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            while True:
+                try:
+                    raw = self._socket.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._ingest(raw)
+
+    def _ingest(self, raw: bytes) -> None:
+        try:
+            message = json.loads(raw)
+            records = self.store.add(message, time.time())
+        except (ValueError, KeyError, TypeError) as exc:
+            self.errors.append(f"a malformed metrics message was ignored ({exc})")
+            return
+        with self._sink_lock:
+            for sink in list(self.sinks):
+                try:
+                    sink.write(records)
+                except Exception as exc:  # a sink must not stop the others (or the pipe)
+                    self._sink_failed(sink, exc)
+
+    def _sink_failed(self, sink, exc: Exception) -> None:
+        self.errors.append(f"{type(sink).__name__} stopped: {type(exc).__name__}: {exc}")
+        self.sinks.remove(sink)
+
+    def flush(self) -> None:
+        """End of a cell: push everything received so far to the sinks."""
+        with self._sink_lock:
+            for sink in list(self.sinks):
+                try:
+                    sink.flush()
+                except Exception as exc:
+                    self._sink_failed(sink, exc)
+
+    def take_errors(self) -> list[str]:
+        errors, self.errors = self.errors, []
+        return errors
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=2)
+        self._socket.close()
+        self._context.term()
+        with self._sink_lock:
+            for sink in self.sinks:
+                try:
+                    sink.close()
+                except Exception:
+                    pass
+            self.sinks = []

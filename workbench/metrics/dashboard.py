@@ -1,0 +1,196 @@
+"""Kernel side: the live metrics widget (ipywidgets 8 + bqplot).
+
+bqplot is the plotting library: its marks are ipywidgets, so a refresh sends
+only the arrays that changed over the widget comm (no image re-rendering as
+with matplotlib/ipympl, no separate JS stack as with plotly), and it ships a
+prebuilt JupyterLab 4 extension. The dashboard is refreshed by the kernel
+while a cell runs, at most ``REFRESH_S`` apart.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+from .store import MetricsStore, Record
+from .summary import per_rank, steps_per_second
+
+REFRESH_S = 0.25  # at most ~4 updates a second
+MAX_POINTS = 500  # per line; longer series are averaged in buckets
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+          "#bcbd22", "#17becf"]
+SYSTEM_PLOTS = [  # (title, system field, scale)
+    ("step time (ms)", "step_time_s", 1e3),
+    ("throughput (samples/s)", "samples_per_s", 1.0),
+    ("communication (ms / step)", "comm_s", 1e3),
+    ("memory (RSS MiB)", "rss_mb", 1.0),
+]
+
+
+def downsample(xs: list, ys: list, limit: int = MAX_POINTS) -> tuple[list, list]:
+    """At most ``limit`` points: bucket means, keeping the first and last x of the series."""
+    if len(xs) <= limit:
+        return list(xs), list(ys)
+    size = -(-len(xs) // limit)
+    out_x, out_y = [], []
+    for i in range(0, len(xs), size):
+        out_x.append(xs[min(i + size, len(xs)) - 1])
+        out_y.append(statistics.fmean(ys[i:i + size]))
+    return out_x, out_y
+
+
+class _Plot:
+    """One bqplot figure with a line per rank (or one mean line)."""
+
+    def __init__(self, title: str, height: str = "220px") -> None:
+        import bqplot as bq
+        import ipywidgets as widgets
+
+        self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
+        axes = [bq.Axis(scale=self.x_scale, label="step"),
+                bq.Axis(scale=self.y_scale, orientation="vertical", tick_format=".3~g")]
+        self.figure = bq.Figure(marks=[], axes=axes, title=title, legend_location="top-right",
+                                fig_margin={"top": 40, "bottom": 40, "left": 60, "right": 20},
+                                layout=widgets.Layout(height=height, width="100%"))
+        self.lines: dict[str, object] = {}
+
+    def show(self, series: dict[str, tuple[list, list]]) -> None:
+        """``series``: label -> (steps, values); lines are added as labels appear."""
+        import bqplot as bq
+
+        if set(series) != set(self.lines):
+            self.lines = {
+                label: bq.Lines(scales={"x": self.x_scale, "y": self.y_scale}, labels=[label],
+                                colors=[COLORS[i % len(COLORS)]], display_legend=len(series) > 1)
+                for i, label in enumerate(series)
+            }
+            self.figure.marks = list(self.lines.values())
+        for label, (xs, ys) in series.items():
+            xs, ys = downsample(xs, ys)
+            line = self.lines[label]
+            with line.hold_sync():
+                line.x, line.y = xs, ys
+
+
+class Dashboard:
+    """Progress bars per rank, curves of any logged scalar, and system measurements."""
+
+    def __init__(self, store: MetricsStore, run_id: str) -> None:
+        import ipywidgets as widgets
+
+        self.store = store
+        self.run_id = run_id
+        self._seen = 0
+        self._cell_start = 0
+        self._scalars: dict[str, dict[int, tuple[list, list]]] = defaultdict(dict)
+        self._system: dict[str, dict[int, tuple[list, list]]] = defaultdict(dict)
+        self._last_refresh = 0.0
+        self.header = widgets.HTML()
+        self.progress = widgets.VBox()
+        self._bars: dict[int, tuple] = {}
+        self.choice = widgets.Dropdown(description="scalar", options=[], layout=widgets.Layout(width="260px"))
+        self.mode = widgets.ToggleButtons(options=["per rank", "mean of ranks"], value="per rank")
+        self.scalar_plot = _Plot("", height="280px")
+        self.system_plots = {field: _Plot(title) for title, field, _ in SYSTEM_PLOTS}
+        self.choice.observe(lambda _change: self._draw_scalar(), "value")
+        self.mode.observe(lambda _change: self._draw_scalar(), "value")
+        grid = widgets.GridBox([p.figure for p in self.system_plots.values()],
+                               layout=widgets.Layout(grid_template_columns="1fr 1fr"))
+        self.widget = widgets.VBox([self.header, self.progress, widgets.HBox([self.choice, self.mode]),
+                                    self.scalar_plot.figure, grid])
+        self.refresh(force=True)
+
+    def cell_started(self, first_record: int) -> None:
+        """Progress bars and rates describe the cell whose records start at ``first_record``."""
+        self._cell_start = first_record
+
+    def refresh(self, force: bool = False) -> None:
+        """Take in new records and redraw; rate-limited unless ``force``."""
+        now = time.monotonic()
+        if not force and now - self._last_refresh < REFRESH_S:
+            return
+        self._last_refresh = now
+        new = self.store.since(self._seen)
+        self._seen += len(new)
+        for record in new:
+            self._take(record)
+        names = list(self._scalars)
+        if names != list(self.choice.options):
+            keep = self.choice.value
+            self.choice.options = names
+            self.choice.value = keep if keep in names else (names[0] if names else None)
+        self._draw_scalar()
+        for title, field, scale in SYSTEM_PLOTS:
+            series = self._system.get(field, {})
+            self.system_plots[field].show({f"rank {r}": (xs, [y * scale for y in ys])
+                                           for r, (xs, ys) in sorted(series.items())})
+        self._draw_progress()
+
+    def _take(self, record: Record) -> None:
+        for target, values in ((self._scalars, record.scalars), (self._system, record.system)):
+            for name, value in values.items():
+                xs, ys = target[name].setdefault(record.rank, ([], []))
+                xs.append(record.step)
+                ys.append(value)
+
+    def _draw_scalar(self) -> None:
+        name = self.choice.value
+        self.scalar_plot.figure.title = name or "nothing logged yet: call workbench.log(loss=...) in a cell"
+        if name is None:
+            self.scalar_plot.show({})
+            return
+        per = self._scalars[name]
+        if self.mode.value == "per rank":
+            self.scalar_plot.show({f"rank {r}": xy for r, xy in sorted(per.items())})
+            return
+        by_step: dict[int, list] = defaultdict(list)
+        for xs, ys in per.values():
+            for x, y in zip(xs, ys, strict=True):
+                by_step[x].append(y)
+        steps = sorted(by_step)
+        self.scalar_plot.show({"mean": (steps, [statistics.fmean(by_step[s]) for s in steps])})
+
+    def _draw_progress(self) -> None:
+        import ipywidgets as widgets
+
+        cell = per_rank(self.store.since(self._cell_start))
+        for rank, records in cell.items():
+            if rank not in self._bars:
+                bar = widgets.IntProgress(min=0, max=1, layout=widgets.Layout(width="40%"))
+                label = widgets.Label()
+                self._bars[rank] = (bar, label)
+                self.progress.children = [widgets.HBox([widgets.Label(f"rank {r}"), *self._bars[r]])
+                                          for r in sorted(self._bars)]
+            bar, label = self._bars[rank]
+            stream = self.store.streams.get(rank)
+            total = stream.total if stream else None
+            label.value = progress_label(records, total)
+            done = records[-1].step + 1
+            bar.max = max(total or done, 1)
+            bar.value = min(done, bar.max)
+            bar.bar_style = "success" if total and done >= total else "info"
+        steps = sum(len(r) for r in cell.values())
+        dropped = self.store.dropped()
+        self.header.value = (f"<b>workbench</b> run <code>{self.run_id}</code> · {len(cell)} ranks · "
+                             f"{steps} records this cell" + (f" · <b>{dropped} dropped</b>" if dropped else ""))
+
+    def curve(self, name: str, rank: int) -> tuple[list, list]:
+        """The (steps, values) the scalar plot shows for ``rank`` (for tests and scripts)."""
+        if self.choice.value != name:
+            self.choice.value = name
+        line = self.scalar_plot.lines.get(f"rank {rank}")
+        return (list(line.x), list(line.y)) if line is not None else ([], [])
+
+
+def progress_label(records: list[Record], total: int | None) -> str:
+    """tqdm-like: ``step 40/100 · 7.9 steps/s · ETA 0:07``."""
+    done = records[-1].step + 1
+    rate = steps_per_second(records)
+    text = f"step {done}/{total}" if total else f"step {done}"
+    if rate:
+        text += f" · {rate:.1f} steps/s"
+        if total and total > done:
+            eta = int((total - done) / rate)
+            text += f" · ETA {eta // 60}:{eta % 60:02d}"
+    return text

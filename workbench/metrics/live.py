@@ -1,0 +1,116 @@
+"""Kernel side: a fleet run's metrics, and what a cell shows of them.
+
+:class:`FleetMetrics` owns the collector, the sinks and the dashboard of one
+fleet run. :class:`CellWatch` follows one cell: it shows the dashboard as soon
+as the cell's first record arrives (in a Jupyter kernel), refreshes it while
+the cell runs, waits at the end until every record the ranks sent has arrived,
+and prints the text summary (what nbconvert and scripts keep).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..output import in_kernel
+from .collector import MetricsCollector
+from .summary import summary_text
+from .wandb_sink import WandbSink, wandb_enabled
+
+ARRIVAL_WAIT_S = 3.0  # a cell waits this long at most for its last records
+
+
+class FleetMetrics:
+    def __init__(self, run_id: str, run_dir: str, runtime_dir: str, world_size, config: dict,
+                 wandb: bool | None = None) -> None:
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.wandb = WandbSink(run_dir, run_id, world_size, config) if (
+            wandb_enabled() if wandb is None else wandb) else None
+        self.collector = MetricsCollector(run_dir, runtime_dir, [self.wandb] if self.wandb else [])
+        self._dashboard = None
+
+    @property
+    def store(self):
+        return self.collector.store
+
+    @property
+    def address(self) -> str:
+        return self.collector.address
+
+    @property
+    def jsonl_path(self) -> str:
+        return self.collector.sinks[0].path
+
+    def dashboard(self):
+        """The run's dashboard widget holder (created on first use)."""
+        if self._dashboard is None:
+            from .dashboard import Dashboard
+
+            self._dashboard = Dashboard(self.store, self.run_id)
+        return self._dashboard
+
+    def display_dashboard(self) -> None:
+        from IPython.display import display
+
+        dashboard = self.dashboard()
+        dashboard.refresh(force=True)
+        display({
+            "application/vnd.jupyter.widget-view+json": {
+                "model_id": dashboard.widget.model_id, "version_major": 2, "version_minor": 0,
+            },
+            "text/plain": f"workbench metrics dashboard for run {self.run_id} (live in Jupyter; "
+                          "a text summary follows each cell that logs)",
+        }, raw=True)
+
+    def summary(self, first_record: int = 0) -> str:
+        return summary_text(self.store.since(first_record), self.run_id, self.store.dropped())
+
+    def watch(self, show_output: bool) -> "CellWatch":
+        return CellWatch(self, show_output)
+
+    def close(self) -> None:
+        self.collector.close()
+
+
+class CellWatch:
+    def __init__(self, metrics: FleetMetrics, show_output: bool) -> None:
+        self.metrics = metrics
+        self.first = len(metrics.store)
+        self.show_output = show_output
+        self.live = show_output and in_kernel()
+        self.shown = False
+        if metrics._dashboard is not None:
+            metrics._dashboard.cell_started(self.first)
+
+    def poll(self) -> None:
+        """While the cell runs (kernel's main thread): show and refresh the dashboard."""
+        if not self.live or len(self.metrics.store) <= self.first:
+            return
+        if not self.shown:
+            self.metrics.dashboard().cell_started(self.first)
+            self.metrics.display_dashboard()
+            self.shown = True
+        self.metrics.dashboard().refresh()
+
+    def finish(self, replies: dict[int, dict]) -> None:
+        """After every rank replied: wait for its last records, flush sinks, summarise."""
+        expected = {}
+        for rank, reply in replies.items():
+            sent = reply.get("metrics") if isinstance(reply, dict) else None
+            if sent and sent["seq"]:
+                expected[rank] = (sent["pid"], sent["seq"])
+        arrived = self.metrics.store.wait_for(expected, ARRIVAL_WAIT_S) if expected else True
+        self.metrics.collector.flush()
+        notes = self.metrics.collector.take_errors()
+        if not arrived:
+            notes.append(f"metrics: some records had not arrived {ARRIVAL_WAIT_S:g} s after the cell ended; "
+                         "they will still be written to metrics.jsonl")
+        for note in notes:
+            print(f"workbench: {note}", file=sys.stderr)
+        if len(self.metrics.store) <= self.first:
+            return
+        if self.live:
+            self.poll()
+            self.metrics.dashboard().refresh(force=True)
+        if self.show_output:
+            print(self.metrics.summary(self.first))

@@ -1,0 +1,213 @@
+"""Engine side: ``workbench.log`` and the background sender.
+
+``log()`` only appends a tuple to a bounded in-memory buffer; a daemon thread
+wakes every ``SEND_EVERY_S``, encodes what accumulated and pushes it to the
+kernel's collector over a zmq PUSH socket (ordered and lossless over one
+connection). When the kernel does not keep up, zmq's high-water mark makes the
+non-blocking send fail; the records then stay in the buffer, and once the
+buffer is full the oldest are dropped and counted, so the training loop never
+waits for the kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from numbers import Number
+
+from .instrument import CommClock
+
+MAX_BUFFERED = 50_000  # records kept while the kernel is not reading
+MAX_BATCH = 2_000  # records per message
+SEND_EVERY_S = 0.05  # batching interval: latency floor vs. wake-ups per second
+SEND_HWM = 32  # messages zmq queues before a send would block
+
+
+class MetricsLogger:
+    """One per engine process: the step counter, the buffer and the sender."""
+
+    def __init__(self) -> None:
+        self.step = 0  # the next step: steps completed so far (``workbench.step``)
+        self.seq = 0  # records created by this process
+        self.sent_seq = 0  # records handed to zmq
+        self.dropped = 0
+        self.total: int | None = None
+        self.comm = CommClock()
+        self._buffer: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._flush = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._address: str | None = None
+        self.cell_started()
+
+    # ------------------------------------------------------------ training thread
+    def cell_started(self) -> None:
+        """A new cell: its first step is measured from now."""
+        self._interval_start = time.perf_counter()
+        self._samples = 0
+        self._stepped: dict | None = None  # measurements of an optimizer step not yet logged
+        self.comm.take(self._interval_start)
+
+    def cell_finished(self) -> None:
+        self._emit_stepped()
+
+    def log(self, step: int | None = None, scalars: dict | None = None) -> None:
+        scalars = _checked(scalars or {})
+        system, self._stepped = self._stepped or self._measure(scalars), None
+        self._record(step, scalars, system)
+
+    def optimizer_stepped(self) -> None:
+        """End of a training step: its measurements join the next ``log`` call, if one
+        comes before the next step, or become a record of their own."""
+        self._emit_stepped()
+        self._stepped = self._measure({})
+
+    def samples_seen(self, n: int) -> None:
+        self._samples += n
+
+    def _emit_stepped(self) -> None:
+        if self._stepped is not None:
+            system, self._stepped = self._stepped, None
+            self._record(None, {}, system)
+
+    def _measure(self, scalars: dict) -> dict:
+        now = time.perf_counter()
+        interval = max(now - self._interval_start, 1e-9)
+        system = {"step_time_s": interval, "comm_s": self.comm.take(now)}
+        samples = scalars.get("samples", self._samples)
+        if samples:
+            system["samples_per_s"] = samples / interval
+        if "tokens" in scalars:
+            system["tokens_per_s"] = scalars["tokens"] / interval
+        self._interval_start, self._samples = now, 0
+        return system
+
+    def _record(self, step: int | None, scalars: dict, system: dict) -> None:
+        if step is None:
+            step = self.step
+        self.step = int(step) + 1
+        self.seq += 1
+        record = (time.time(), self.seq, int(step), scalars, system)
+        with self._lock:
+            if len(self._buffer) >= MAX_BUFFERED:
+                self._buffer.popleft()
+                self.dropped += 1
+            self._buffer.append(record)
+
+    # ------------------------------------------------------------ sender
+    def attach(self, address: str) -> None:
+        """Send records to the collector at ``address`` (started once per process)."""
+        self._address = address
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._send_loop, name="workbench-metrics", daemon=True)
+            self._thread.start()
+
+    def flush(self, timeout: float = 2.0) -> int:
+        """Wait (bounded) until every record so far is handed to zmq; return the last seq."""
+        target = self.seq
+        if self._thread is None:
+            return self.sent_seq
+        self._flush.set()
+        deadline = time.monotonic() + timeout
+        while self.sent_seq < target and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return self.sent_seq
+
+    def _send_loop(self) -> None:
+        import zmq
+
+        context = zmq.Context()
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        socket.setsockopt(zmq.LINGER, 1000)
+        socket.connect(self._address)
+        while True:
+            self._flush.wait(SEND_EVERY_S)
+            self._flush.clear()
+            while self._send_batch(socket, zmq):
+                pass
+
+    def _send_batch(self, socket, zmq) -> bool:
+        with self._lock:
+            batch = [self._buffer.popleft() for _ in range(min(MAX_BATCH, len(self._buffer)))]
+            dropped = self.dropped
+        if not batch:
+            return False
+        from ..engine import STATE
+
+        message = {
+            "pid": os.getpid(), "rank": STATE.spec.rank if STATE.spec else None, "dropped": dropped,
+            "total": self.total, "memory": _memory(),
+            "records": [[t, seq, step, _plain(scalars), _plain(system)] for t, seq, step, scalars, system in batch],
+        }
+        try:
+            socket.send(json.dumps(message).encode(), zmq.NOBLOCK)
+        except zmq.Again:  # the kernel is behind: keep the records, try again later
+            with self._lock:
+                self._buffer.extendleft(reversed(batch))
+                while len(self._buffer) > MAX_BUFFERED:
+                    self._buffer.popleft()
+                    self.dropped += 1
+            time.sleep(SEND_EVERY_S)
+            return False
+        self.sent_seq = batch[-1][1]
+        return True
+
+
+def _checked(scalars: dict) -> dict:
+    for name, value in scalars.items():
+        if not isinstance(value, Number) and not _is_scalar_tensor(value):
+            raise TypeError(
+                f"workbench.log({name}=...) takes numbers or one-element tensors, got {type(value).__name__}"
+            )
+    return {name: (value.detach() if hasattr(value, "detach") else value) for name, value in scalars.items()}
+
+
+def _is_scalar_tensor(value) -> bool:
+    return hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1
+
+
+def _plain(scalars: dict) -> dict:
+    """JSON-ready numbers; tensors are read here, off the training thread."""
+    out = {}
+    for name, value in scalars.items():
+        value = value.item() if hasattr(value, "item") else value
+        out[name] = value if isinstance(value, (int, float)) else float(value)
+    return out
+
+
+def _memory() -> dict:
+    import sys
+
+    import psutil
+
+    memory = {"rss_mb": psutil.Process().memory_info().rss / 2**20}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        memory["cuda_max_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return memory
+
+
+LOGGER = MetricsLogger()
+
+
+def log(step: int | None = None, **scalars) -> None:
+    """Record scalars for this rank's current step; never blocks training.
+
+    ``workbench.log(loss=loss.item(), lr=lr)``. Without ``step=``, steps count
+    up by one per call (log once per training step). Values are numbers or
+    one-element tensors (read in the background). ``samples=`` or ``tokens=``
+    (counts in this step) turn into throughput. Step time, communication time
+    and memory are added by workbench.
+    """
+    LOGGER.log(step, scalars)
+
+
+def progress(total: int) -> None:
+    """Tell the dashboard how many steps this run will take (for the progress bar and ETA)."""
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise TypeError(f"workbench.progress(total=...) takes a whole number of steps, got {total!r}")
+    LOGGER.total = total

@@ -1,0 +1,94 @@
+"""Kernel side: every record of a fleet run, per rank, in arrival order."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+SYSTEM_FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "comm_s", "rss_mb", "cuda_max_mb")
+
+
+@dataclass
+class Record:
+    """One ``workbench.log`` call (or one optimizer step) on one rank."""
+
+    time: float  # on the rank, seconds since the epoch
+    arrived: float  # in the kernel, seconds since the epoch
+    rank: int
+    step: int
+    scalars: dict
+    system: dict
+
+    def to_json(self) -> dict:
+        return {"time": self.time, "rank": self.rank, "step": self.step, "scalars": self.scalars,
+                "system": self.system}
+
+
+@dataclass
+class RankStream:
+    """What one rank's sender told us: the last sequence number, drops, the total."""
+
+    pid: int = 0
+    seq: int = 0
+    dropped: int = 0
+    lost: int = 0  # sequence gaps not explained by drops
+    total: int | None = None
+
+
+@dataclass
+class MetricsStore:
+    records: list[Record] = field(default_factory=list)
+    streams: dict[int, RankStream] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition()
+
+    def add(self, message: dict, arrived: float) -> list[Record]:
+        """Add one sender message; return its records."""
+        rank = message["rank"]
+        new = [Record(t, arrived, rank, step, scalars, {**system, **message["memory"]})
+               for t, _seq, step, scalars, system in message["records"]]
+        with self.changed:
+            stream = self.streams.setdefault(rank, RankStream())
+            if stream.pid != message["pid"]:  # a new engine process for this rank
+                stream.pid, stream.seq, stream.dropped = message["pid"], 0, 0
+            first = message["records"][0][1] if message["records"] else stream.seq + 1
+            gap = first - stream.seq - 1
+            newly_dropped = message["dropped"] - stream.dropped
+            stream.lost += max(0, gap - newly_dropped)
+            stream.dropped = message["dropped"]
+            stream.total = message.get("total")
+            if message["records"]:
+                stream.seq = message["records"][-1][1]
+            self.records.extend(new)
+            self.changed.notify_all()
+        return new
+
+    def wait_for(self, seqs: dict[int, tuple[int, int]], timeout: float) -> bool:
+        """Wait until each rank's stream (pid, seq) has arrived; False on timeout."""
+
+        def arrived():
+            for rank, (pid, seq) in seqs.items():
+                stream = self.streams.get(rank)
+                if seq and (stream is None or stream.pid != pid or stream.seq < seq):
+                    return False
+            return True
+
+        with self.changed:
+            return self.changed.wait_for(arrived, timeout)
+
+    def since(self, start: int) -> list[Record]:
+        with self.changed:
+            return self.records[start:]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def scalar_names(self, records: list[Record]) -> list[str]:
+        names: dict[str, None] = {}
+        for record in records:
+            names.update(dict.fromkeys(record.scalars))
+        return list(names)
+
+    def dropped(self) -> int:
+        return sum(s.dropped + s.lost for s in self.streams.values())

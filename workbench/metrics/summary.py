@@ -1,0 +1,70 @@
+"""Plain-text summary of a cell's metrics: what headless runs (nbconvert) show."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from .store import Record
+
+
+def per_rank(records: list[Record]) -> dict[int, list[Record]]:
+    ranks: dict[int, list[Record]] = defaultdict(list)
+    for record in records:
+        ranks[record.rank].append(record)
+    return dict(sorted(ranks.items()))
+
+
+def steps_per_second(records: list[Record]) -> float | None:
+    """Steps per second of one rank's records, from the wall time they span."""
+    if not records:
+        return None
+    span = records[-1].time - records[0].time + records[0].system.get("step_time_s", 0.0)
+    return len(records) / span if span > 0 else None
+
+
+def _number(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) < 1e6):
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    cells = [header, *[[_number(c) if not isinstance(c, str) else c for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+
+
+def summary_text(records: list[Record], run_id: str, dropped: int = 0) -> str:
+    """Last / min / mean of each scalar per rank, then steps/s, step, comm and memory per rank."""
+    if not records:
+        return f"metrics · run {run_id}: nothing was logged"
+    ranks = per_rank(records)
+    steps = [r.step for r in records]
+    lines = [f"metrics · run {run_id} · steps {min(steps)}–{max(steps)} on {len(ranks)} ranks"
+             + (f" · {dropped} records dropped" if dropped else "")]
+    names: dict[str, None] = {}
+    for record in records:
+        names.update(dict.fromkeys(record.scalars))
+    rows = []
+    for name in names:
+        for rank, recs in ranks.items():
+            values = [r.scalars[name] for r in recs if name in r.scalars]
+            if values:
+                rows.append([name, str(rank), values[-1], min(values), statistics.fmean(values)])
+    if rows:
+        lines += _table(["scalar", "rank", "last", "min", "mean"], rows)
+    system_rows = []
+    for rank, recs in ranks.items():
+        def mean_of(key, scale=1.0, recs=recs):
+            values = [r.system[key] for r in recs if key in r.system]
+            return statistics.fmean(values) * scale if values else None
+
+        system_rows.append([
+            str(rank), len(recs), steps_per_second(recs), mean_of("step_time_s", 1e3), mean_of("comm_s", 1e3),
+            mean_of("samples_per_s"), max((r.system.get("rss_mb", 0) for r in recs), default=None),
+        ])
+    lines += _table(["rank", "records", "steps/s", "step ms", "comm ms", "samples/s", "peak rss MiB"], system_rows)
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""Kernel side: one wandb run per fleet run, logged by the kernel.
+
+The kernel already receives every rank's records, so it logs one wandb run
+for the whole fleet: the mean across ranks under the scalar's own name and
+each rank's value under ``rank<N>/<name>``, one row per step. The
+alternative, one wandb run per rank in a group, would start a wandb service
+in every engine (seconds of start-up and memory per rank, network from the
+training processes) and leave the cross-rank view to the wandb UI.
+
+Without an API key (``WANDB_API_KEY`` or ``~/.netrc``) the run is offline,
+so nothing ever prompts for a login. ``WANDB_MODE``, ``WANDB_PROJECT``,
+``WANDB_DIR`` and the other wandb settings the user set are left alone;
+``WANDB_MODE=disabled`` turns the sink off.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+STEP_KEY = "workbench/step"
+
+
+def wandb_mode() -> str | None:
+    """The mode to ask for: None (the user's own setting, or online) or 'offline'."""
+    if os.environ.get("WANDB_MODE"):
+        return None
+    if os.environ.get("WANDB_API_KEY"):
+        return None
+    try:
+        import netrc
+
+        hosts = netrc.netrc().hosts
+        if any("wandb" in host for host in hosts):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+def wandb_enabled() -> bool:
+    if os.environ.get("WANDB_MODE", "").lower() == "disabled":
+        return False
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class WandbSink:
+    """Writes a fleet run's records to wandb; the run starts at the first record."""
+
+    def __init__(self, run_dir: str, run_id: str, world_size, config: dict) -> None:
+        self.run_dir = run_dir
+        self.run_id = run_id
+        self.world_size = world_size  # a callable: the fleet's size can change
+        self.config = config
+        self.run = None
+        self._pending: dict[int, dict[int, dict]] = {}  # step -> rank -> values
+
+    def _start(self):
+        import wandb
+
+        kwargs = {
+            "project": os.environ.get("WANDB_PROJECT", "workbench"),
+            "name": os.environ.get("WANDB_NAME", self.run_id),
+            "config": self.config,
+            "reinit": "create_new",  # never replaces a run the user has open in the kernel
+            "settings": wandb.Settings(console="off", silent=True),
+        }
+        if not os.environ.get("WANDB_DIR"):
+            kwargs["dir"] = self.run_dir
+        mode = wandb_mode()
+        if mode is not None:
+            kwargs["mode"] = mode
+        self.run = wandb.init(**kwargs)
+        self.run.define_metric(STEP_KEY)
+        self.run.define_metric("*", step_metric=STEP_KEY)
+
+    def write(self, records) -> None:
+        if self.run is None:
+            self._start()
+        world = self.world_size()
+        for record in records:
+            values = {**record.scalars, **record.system}
+            ranks = self._pending.setdefault(record.step, {})
+            ranks[record.rank] = values
+            if len(ranks) >= world:
+                self._log(record.step)
+
+    def _log(self, step: int) -> None:
+        ranks = self._pending.pop(step)
+        row = {STEP_KEY: step}
+        names = {name for values in ranks.values() for name in values}
+        for name in sorted(names):
+            present = [values[name] for values in ranks.values() if name in values]
+            row[name] = statistics.fmean(present)
+            for rank, values in ranks.items():
+                if name in values:
+                    row[f"rank{rank}/{name}"] = values[name]
+        self.run.log(row)
+
+    def flush(self) -> None:
+        """End of a cell: steps that not every rank logged are written as they are."""
+        for step in sorted(self._pending):
+            self._log(step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.flush()
+            self.run.finish()
+            self.run = None
+
+    @property
+    def path(self) -> str | None:
+        return self.run.dir if self.run is not None else None

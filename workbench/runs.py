@@ -1,0 +1,32 @@
+"""``./workbench-runs/<run-id>/``: where a fleet run keeps what it produces.
+
+One folder per fleet run (``metrics.jsonl``, ``checkpoints/``, ``wandb/``).
+``WORKBENCH_RUNS_DIR`` moves the parent folder. Folders are private to the
+user (0700): they hold training data and state.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+RUNS_DIR_ENV = "WORKBENCH_RUNS_DIR"
+
+
+def runs_root(base: str | None = None) -> str:
+    return os.path.abspath(base or os.environ.get(RUNS_DIR_ENV) or "workbench-runs")
+
+
+def new_run_dir(base: str | None = None) -> tuple[str, str]:
+    """Create a fresh run folder; return ``(run_id, path)``."""
+    root = runs_root(base)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    while True:
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+        path = os.path.join(root, run_id)
+        try:
+            os.mkdir(path, 0o700)
+            return run_id, path
+        except FileExistsError:
+            continue
