@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import os
 import queue
+import tempfile
 import time
 
 import psutil
 import pytest
 
 from workbench import Fleet
+
+# run folders (metrics, checkpoints, wandb) of every fleet the tests start, kernels' included
+os.environ.setdefault("WORKBENCH_RUNS_DIR", tempfile.mkdtemp(prefix="workbench-test-runs-"))
 
 IPP_MARKERS = ("ipyparallel", "ipengine", "ipcontroller", "workbench.reaper")
 

@@ -22,6 +22,7 @@ from .fleet import DEFAULT_PG_TIMEOUT_S, Fleet
 from .strategies import PRECISIONS, STRATEGIES, CellOptions
 
 _current: Fleet | None = None
+_last_metrics = None  # the metrics of the last fleet, still readable after %fleet stop
 
 
 def current_fleet() -> Fleet | None:
@@ -30,10 +31,17 @@ def current_fleet() -> Fleet | None:
 
 
 def _stop_current() -> None:
-    global _current
+    global _current, _last_metrics
     if _current is not None:
+        _last_metrics = _current.metrics or _last_metrics
         _current.stop()
         _current = None
+
+
+def current_metrics():
+    """The metrics of the running fleet, or of the last one this kernel stopped."""
+    fleet = current_fleet()
+    return fleet.metrics if fleet is not None else _last_metrics
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,6 +90,7 @@ def _fleet_parser() -> _Parser:
     start.add_argument("--backend", default=None, help="gloo (CPU default), nccl (GPU default) or mpi")
     start.add_argument("--pg-timeout", type=_positive_float, default=DEFAULT_PG_TIMEOUT_S,
                        help="seconds after which a blocked collective fails")
+    start.add_argument("--no-wandb", action="store_true", help="do not log this run to wandb")
     sub.add_parser("status", prog="%fleet status", add_help=False)
     sub.add_parser("stop", prog="%fleet stop", add_help=False)
     pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
@@ -147,9 +156,10 @@ class WorkbenchMagics(Magics):
     def fleet(self, line: str):
         """Manage the engine fleet: one ipyparallel engine per rank (per GPU).
 
-        %fleet start [-n N] [--gpus 0,2] [--cpu] [--backend gloo|nccl|mpi] [--pg-timeout S]
+        %fleet start [-n N] [--gpus 0,2] [--cpu] [--backend gloo|nccl|mpi] [--pg-timeout S] [--no-wandb]
             Start N engines (default: one per visible GPU, or 2 CPU engines) and
             join them in a torch.distributed process group (gloo on CPU, nccl on GPU).
+            The run's files go to ./workbench-runs/<run-id>/ (metrics.jsonl, wandb/).
         %fleet status
             Table of rank, engine id, pid, host, device, state and memory.
         %fleet pull NAME [--rank R]
@@ -169,8 +179,10 @@ class WorkbenchMagics(Magics):
                     f"a fleet is already running ({current_fleet().world_size} ranks); "
                     "use it, or stop it first with %fleet stop"
                 )
-            fleet = Fleet(n=args.n, gpus=args.gpus, cpu=args.cpu, backend=args.backend, pg_timeout=args.pg_timeout)
+            fleet = Fleet(n=args.n, gpus=args.gpus, cpu=args.cpu, backend=args.backend, pg_timeout=args.pg_timeout,
+                          wandb=False if args.no_wandb else None)
             _current = fleet.start()
+            print(f"fleet: run {fleet.run_id} in {fleet.run_dir}")
             return None
         fleet = current_fleet()
         if args.command == "stop":
@@ -223,6 +235,45 @@ class WorkbenchMagics(Magics):
         result = fleet.execute(cell, options, ranks=args.ranks, timeout=args.timeout)
         bundle = result.display(result.ranks[0])
         return _RankValue(bundle) if bundle else None
+
+
+    @line_magic
+    @_friendly
+    def metrics(self, line: str):
+        """Show the live metrics dashboard of the current fleet run.
+
+        %metrics              the dashboard widget (per-rank progress, scalar curves,
+                              step time, throughput, communication time, memory)
+        %metrics --summary    a text summary of the whole run: last/min/mean per rank
+        %metrics --path       where the run's metrics.jsonl and wandb run are
+
+        Inside %%distributed cells, ranks log with workbench.log(loss=...); the
+        dashboard also appears by itself under a cell that logs.
+        """
+        args = _metrics_parser().parse_args(shlex.split(line))
+        metrics = current_metrics()
+        if metrics is None:
+            raise UsageError("no fleet has run in this kernel; start one with %fleet start -n 2")
+        if args.path:
+            wandb_path = metrics.wandb.path if metrics.wandb is not None else None
+            print(f"metrics: {metrics.jsonl_path}")
+            print(f"wandb:   {wandb_path or 'no wandb run (nothing logged yet, or wandb disabled)'}")
+        elif args.summary:
+            print(metrics.summary())
+        else:
+            from .output import in_kernel
+
+            if not in_kernel():
+                print(metrics.summary())
+            else:
+                metrics.display_dashboard()
+
+
+def _metrics_parser() -> _Parser:
+    parser = _Parser(prog="%metrics", add_help=False)
+    parser.add_argument("--summary", action="store_true")
+    parser.add_argument("--path", action="store_true")
+    return parser
 
 
 def load_ipython_extension(ipython) -> None:

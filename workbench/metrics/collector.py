@@ -21,6 +21,8 @@ import time
 
 from .store import MetricsStore
 
+RECEIVE_HWM = 64  # messages queued here before the senders feel back-pressure
+
 
 class JsonlSink:
     """``<run>/metrics.jsonl``: one JSON object a line (time, rank, step, scalars, system)."""
@@ -53,27 +55,33 @@ class MetricsCollector:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         self.address = f"ipc://{os.path.join(runtime_dir, 'metrics.sock')}"
         self._socket.bind(self.address)
         self._stopping = threading.Event()
-        self._sink_lock = threading.Lock()
+        self._flush_wanted = threading.Event()
+        self._flushed = threading.Event()
         self._thread = threading.Thread(target=self._receive_loop, name="workbench-collector", daemon=True)
         self._thread.start()
 
     def _receive_loop(self) -> None:
+        """The only thread that touches the sinks: a slow sink never blocks the kernel."""
         import zmq
 
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stopping.is_set():
-            if not poller.poll(100):
-                continue
-            while True:
-                try:
-                    raw = self._socket.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._ingest(raw)
+            if poller.poll(50):
+                while True:
+                    try:
+                        raw = self._socket.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._ingest(raw)
+            if self._flush_wanted.is_set():
+                self._flush_wanted.clear()
+                self._each_sink("flush")
+                self._flushed.set()
 
     def _ingest(self, raw: bytes) -> None:
         try:
@@ -82,39 +90,34 @@ class MetricsCollector:
         except (ValueError, KeyError, TypeError) as exc:
             self.errors.append(f"a malformed metrics message was ignored ({exc})")
             return
-        with self._sink_lock:
-            for sink in list(self.sinks):
-                try:
-                    sink.write(records)
-                except Exception as exc:  # a sink must not stop the others (or the pipe)
-                    self._sink_failed(sink, exc)
+        self._each_sink("write", records)
 
-    def _sink_failed(self, sink, exc: Exception) -> None:
-        self.errors.append(f"{type(sink).__name__} stopped: {type(exc).__name__}: {exc}")
-        self.sinks.remove(sink)
+    def _each_sink(self, method: str, *args) -> None:
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, method)(*args)
+            except Exception as exc:  # a sink must not stop the others (or the pipe)
+                self.errors.append(f"{type(sink).__name__} stopped: {type(exc).__name__}: {exc}")
+                self.sinks.remove(sink)
 
-    def flush(self) -> None:
-        """End of a cell: push everything received so far to the sinks."""
-        with self._sink_lock:
-            for sink in list(self.sinks):
-                try:
-                    sink.flush()
-                except Exception as exc:
-                    self._sink_failed(sink, exc)
+    def flush(self, timeout: float = 2.0) -> bool:
+        """End of a cell: have the receiver push what it has to the sinks (bounded wait)."""
+        self._flushed.clear()
+        self._flush_wanted.set()
+        return self._flushed.wait(timeout)
 
     def take_errors(self) -> list[str]:
         errors, self.errors = self.errors, []
         return errors
 
     def close(self) -> None:
+        """Stop receiving and close the sinks (wandb finishes its run here)."""
         self._stopping.set()
-        self._thread.join(timeout=2)
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # stuck in a sink: leave it to die with the process
+            self.errors.append("the metrics receiver did not stop within 5 s")
+            return
         self._socket.close()
         self._context.term()
-        with self._sink_lock:
-            for sink in self.sinks:
-                try:
-                    sink.close()
-                except Exception:
-                    pass
-            self.sinks = []
+        self._each_sink("close")
+        self.sinks = []

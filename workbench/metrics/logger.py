@@ -34,6 +34,7 @@ class MetricsLogger:
         self.seq = 0  # records created by this process
         self.sent_seq = 0  # records handed to zmq
         self.dropped = 0
+        self.pushed_back = 0  # sends refused because the kernel was behind
         self.total: int | None = None
         self.comm = CommClock()
         self._buffer: collections.deque = collections.deque()
@@ -146,6 +147,7 @@ class MetricsLogger:
         try:
             socket.send(json.dumps(message).encode(), zmq.NOBLOCK)
         except zmq.Again:  # the kernel is behind: keep the records, try again later
+            self.pushed_back += 1
             with self._lock:
                 self._buffer.extendleft(reversed(batch))
                 while len(self._buffer) > MAX_BUFFERED:

@@ -1,0 +1,251 @@
+"""Live metrics on a real 2-rank fleet: ordering, built-in measurements, sinks, back-pressure."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import time
+
+import pytest
+from wandb_reader import history_rows
+
+from workbench import Fleet
+from workbench.metrics.dashboard import Dashboard, downsample
+from workbench.metrics.wandb_sink import wandb_mode
+
+TRAIN = """
+import torch
+torch.manual_seed(rank)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+model, optimizer = accelerator.prepare(model, optimizer)
+for i in range({steps}):
+    with accelerator.accumulate(model):
+        x = torch.randn(16, 32)
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    {log}
+"""
+
+
+def _cell_records(fleet, start):
+    return fleet.metrics.store.since(start)
+
+
+def _jsonl(fleet) -> list[dict]:
+    with open(fleet.metrics.jsonl_path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_every_record_arrives_in_order_in_the_aggregator_and_the_file(fleet):
+    steps = 300
+    start = len(fleet.metrics.store)
+    first_step = fleet.run("workbench.step", show_output=False)
+    fleet.run(f"for i in range({steps}):\n    workbench.log(value=i * 10 + rank, rank_seen=rank)", show_output=False)
+    records = _cell_records(fleet, start)
+    assert len(records) == 2 * steps
+    for rank in (0, 1):
+        mine = [r for r in records if r.rank == rank]
+        assert [r.scalars["value"] for r in mine] == [i * 10 + rank for i in range(steps)]
+        assert [r.step for r in mine] == list(range(first_step[rank], first_step[rank] + steps))
+        assert all(r.scalars["rank_seen"] == rank for r in mine)
+    assert fleet.run("workbench.step", show_output=False) == [s + steps for s in first_step]
+    lines = [line for line in _jsonl(fleet) if "rank_seen" in line["scalars"]]
+    assert len(lines) == 2 * steps
+    for rank in (0, 1):
+        values = [line["scalars"]["value"] for line in lines if line["rank"] == rank]
+        assert values == [i * 10 + rank for i in range(steps)]
+    assert set(lines[0]) >= {"time", "rank", "step", "scalars", "system"}
+    assert oct(os.stat(fleet.metrics.jsonl_path).st_mode & 0o777) == "0o600"
+
+
+def test_explicit_steps_and_bad_values(fleet):
+    start = len(fleet.metrics.store)
+    fleet.run("workbench.log(step=1000, a=1.5)\nworkbench.log(b=torch.tensor(2.0) if 'torch' in dir() else 2.0)",
+              show_output=False)
+    records = _cell_records(fleet, start)
+    assert sorted((r.rank, r.step) for r in records) == [(0, 1000), (0, 1001), (1, 1000), (1, 1001)]
+    assert fleet.run("workbench.step", show_output=False) == [1002, 1002]
+    with pytest.raises(Exception, match=r"takes numbers or one-element tensors, got str"):
+        fleet.run("workbench.log(loss='low')", show_output=False)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "none"])
+def test_builtin_measurements_without_user_code(fleet, strategy):
+    start = len(fleet.metrics.store)
+    fleet.run(TRAIN.format(steps=12, log="pass"), strategy=strategy, show_output=False)
+    records = _cell_records(fleet, start)
+    assert len(records) == 2 * 12, "one record per optimizer step and rank"
+    for record in records:
+        assert record.scalars == {}
+        assert record.system["step_time_s"] > 0
+        assert record.system["samples_per_s"] > 0
+        assert record.system["rss_mb"] > 50
+    comm = [r.system["comm_s"] for r in records[2:]]  # the first steps include set-up
+    if strategy == "none":
+        assert max(comm) == 0
+    else:
+        assert min(comm) > 0, comm
+        assert statistics.fmean(comm) < statistics.fmean(r.system["step_time_s"] for r in records[2:])
+
+
+def test_user_logs_carry_the_step_measurements_and_grad_accum_counts_real_steps(fleet):
+    start = len(fleet.metrics.store)
+    fleet.run(TRAIN.format(steps=10, log="workbench.log(loss=loss.item(), samples=16)"), show_output=False)
+    records = _cell_records(fleet, start)
+    assert len(records) == 2 * 10
+    assert all("loss" in r.scalars and r.system["comm_s"] > 0 for r in records[2:])
+    start = len(fleet.metrics.store)
+    fleet.run(TRAIN.format(steps=12, log="pass"), grad_accum=3, show_output=False)
+    assert len(_cell_records(fleet, start)) == 2 * 4, "12 micro-batches, accumulating 3: 4 optimizer steps"
+
+
+class _StalledSink:
+    """A sink that blocks the kernel's receiver thread until released (a slow consumer)."""
+
+    def __init__(self, collector):
+        import threading
+
+        self.collector = collector
+        self.gate = threading.Event()
+
+    def write(self, records):
+        self.gate.wait(60)
+
+    def flush(self):
+        pass
+
+    def __enter__(self):
+        self.collector.sinks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.collector.sinks.remove(self)
+        self.gate.set()
+
+
+def test_a_stalled_consumer_does_not_slow_the_ranks(fleet):
+    import workbench.metrics.logger as logger
+
+    start = len(fleet.metrics.store)
+    n = 20000
+    timing = f"""
+import time
+t0 = time.perf_counter()
+for i in range({n}):
+    workbench.log(i=i)
+logging_s = time.perf_counter() - t0
+t0 = time.perf_counter()
+for i in range({n}):
+    pass
+plain_s = time.perf_counter() - t0
+logging_s
+"""
+    with _StalledSink(fleet.metrics.collector):  # the receiver blocks on its first batch
+        blocked = fleet.run(timing, show_output=False)
+        arrived_while_blocked = len(fleet.metrics.store) - start
+    assert max(blocked) < 1.0, f"{n} log calls took {blocked} s with the kernel not reading"
+    assert arrived_while_blocked <= logger.MAX_BATCH * 2
+    deadline = time.monotonic() + 20
+    while len(fleet.metrics.store) - start < 2 * n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(fleet.metrics.store) - start == 2 * n, "nothing is lost once the kernel reads again"
+    assert fleet.metrics.store.dropped() == 0
+
+
+def test_overflow_drops_the_oldest_and_counts_them(fleet):
+    start = len(fleet.metrics.store)
+    # small, frequent messages so that zmq's queues fill while the kernel does not read
+    fleet.run("import workbench.metrics.logger as _l\n_saved = (_l.MAX_BUFFERED, _l.MAX_BATCH, _l.SEND_EVERY_S)\n"
+              "_l.MAX_BUFFERED, _l.MAX_BATCH, _l.SEND_EVERY_S = 500, 5, 0.0005", show_output=False)
+    try:
+        with _StalledSink(fleet.metrics.collector):
+            fleet.run("for i in range(50000):\n    workbench.log(j=i)\n    if i % 100 == 0: time.sleep(0.001)",
+                      show_output=False)
+            pushed_back = fleet.run("_l.LOGGER.pushed_back", show_output=False)
+        deadline = time.monotonic() + 20
+        while fleet.metrics.store.dropped() == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)
+        dropped = fleet.metrics.store.dropped()
+        arrived = len(fleet.metrics.store) - start
+        assert dropped > 0
+        assert arrived + dropped == 2 * 50000, (arrived, dropped)
+        assert f"{dropped} records dropped" in fleet.metrics.summary(start)
+        assert min(pushed_back) > 0, "zmq refused sends while the kernel was not reading"
+    finally:
+        fleet.run("_l.MAX_BUFFERED, _l.MAX_BATCH, _l.SEND_EVERY_S = _saved", show_output=False)
+        for stream in fleet.metrics.store.streams.values():  # later tests expect no drops
+            stream.dropped = stream.lost = 0
+
+
+def test_the_dashboard_model_holds_the_values(fleet):
+    start = len(fleet.metrics.store)
+    fleet.run("workbench.progress(total=workbench.step + 40)\nfor i in range(40):\n    workbench.log(dash=i * (rank + 1))",
+              show_output=False)
+    dashboard = Dashboard(fleet.metrics.store, fleet.run_id)
+    dashboard.cell_started(start)
+    dashboard.refresh(force=True)
+    assert "dash" in dashboard.choice.options
+    for rank in (0, 1):
+        steps, values = dashboard.curve("dash", rank)
+        assert values == [i * (rank + 1) for i in range(40)]
+        assert steps == [r.step for r in _cell_records(fleet, start) if r.rank == rank]
+    dashboard.mode.value = "mean of ranks"
+    (mean_line,) = dashboard.scalar_plot.lines.values()
+    assert list(mean_line.y) == [i * 1.5 for i in range(40)]
+    system = dashboard.system_plots["step_time_s"].lines
+    assert set(system) == {"rank 0", "rank 1"} and len(system["rank 0"].y) > 0
+    bar, label = dashboard._bars[0]
+    assert bar.value == bar.max and label.value.startswith(f"step {bar.max}/{bar.max}")
+
+
+def test_downsampling_keeps_long_series_small():
+    xs = list(range(10_000))
+    out_x, out_y = downsample(xs, [float(x) for x in xs], 500)
+    assert len(out_x) <= 500 and out_x[-1] == 9999
+    assert abs(out_y[0] - 9.5) < 1e-9
+
+
+def test_summary_text_for_headless_runs(fleet, capsys):
+    fleet.run("for i in range(5):\n    workbench.log(loss=1.0 / (i + 1))")
+    out = capsys.readouterr().out
+    assert "scalar  rank  last" in out
+    loss_rows = [line.split() for line in out.splitlines() if line.startswith("loss")]
+    assert [row[1] for row in loss_rows] == ["0", "1"]
+    assert all(row[2:5] == ["0.2", "0.2", "0.4567"] for row in loss_rows), loss_rows
+    assert "steps/s" in out and "comm ms" in out
+
+
+def test_wandb_mode_is_offline_without_a_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode() is None
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode() is None
+
+
+def test_one_offline_wandb_run_per_fleet_run_holds_the_values(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no key configured
+    with Fleet(n=2, progress=False, wandb=True, runs_dir=str(tmp_path / "runs")) as fleet:
+        fleet.run("for i in range(6):\n    workbench.log(loss=i + rank * 0.5)", show_output=False)
+        run_dir = fleet.run_dir
+    files = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    assert len(files) == 1, files
+    rows = [row for row in history_rows(files[0]) if "loss" in row]
+    assert [row["workbench/step"] for row in rows] == list(range(6))
+    for i, row in enumerate(rows):
+        assert row["rank0/loss"] == i and row["rank1/loss"] == i + 0.5
+        assert row["loss"] == pytest.approx(i + 0.25)
+        assert row["step_time_s"] > 0 and "rank1/rss_mb" in row
+    assert os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
