@@ -10,8 +10,13 @@ import sys
 import time
 
 
-def loop(accelerator, steps: int, width: int = 1024, batch: int = 64) -> list[float]:
-    """Train an MLP for ``steps`` steps with accelerate's DDP; return each step's seconds."""
+def loop(accelerator, steps: int, width: int = 1024, batch: int = 64, log: bool = False,
+         plain: bool = False) -> list[float]:
+    """Train an MLP for ``steps`` steps with accelerate's DDP; return each step's seconds.
+
+    ``log``: call ``workbench.log(loss=...)`` every step. ``plain``: prepare with
+    accelerate's own ``Accelerator.prepare``, skipping workbench's measurements.
+    """
     import torch
 
     torch.manual_seed(0)
@@ -19,7 +24,14 @@ def loop(accelerator, steps: int, width: int = 1024, batch: int = 64) -> list[fl
         torch.nn.Linear(width, 2 * width), torch.nn.ReLU(), torch.nn.Linear(2 * width, width)
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if plain:
+        from accelerate import Accelerator
+
+        model, optimizer = Accelerator.prepare(accelerator, model, optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    if log:
+        import workbench
     g = torch.Generator().manual_seed(accelerator.process_index)
     x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
     times = []
@@ -29,6 +41,8 @@ def loop(accelerator, steps: int, width: int = 1024, batch: int = 64) -> list[fl
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        if log:
+            workbench.log(loss=loss.detach())
         times.append(time.perf_counter() - start)
     return times
 

@@ -1,9 +1,10 @@
 """Run every benchmark and print its ratios: ``python bench/run_all.py``."""
 
 import bench_launch
+import bench_metrics
 import bench_roundtrip
 import bench_step_time
 
 if __name__ == "__main__":
-    for bench in (bench_roundtrip, bench_launch, bench_step_time):
+    for bench in (bench_roundtrip, bench_launch, bench_step_time, bench_metrics):
         bench.main()

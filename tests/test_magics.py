@@ -97,6 +97,48 @@ def test_push_pull_and_namespace(kernel):
     assert "NAME=EXPR" in _usage_error(kernel, "%fleet push 3")
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def test_a_logging_cell_shows_the_dashboard_live_then_a_summary(kernel):
+    code = "%%distributed\nimport time\nfor i in range(80):\n    workbench.log(loss=1 / (i + 1))\n    time.sleep(0.02)"
+    reply, messages = kernel.execute(code)
+    assert reply["status"] == "ok"
+    views = [(t, m) for t, m in messages if m["msg_type"] == "display_data" and WIDGET_VIEW in m["content"]["data"]]
+    assert len(views) == 1, "one dashboard view per cell"
+    shown_at = views[0][0]
+    assert shown_at < messages[-1][0] - 0.5, "the dashboard appears while the cell runs"
+    models = {m["content"]["comm_id"]: m["content"]["data"]["state"].get("_model_name")
+              for _, m in messages if m["msg_type"] == "comm_open"}
+    assert "FigureModel" in models.values() and "LinesModel" in models.values()
+    updates = {}
+    for t, m in messages:
+        if m["msg_type"] == "comm_msg" and m["content"]["data"].get("method") == "update":
+            updates.setdefault(m["content"]["comm_id"], []).append(t)
+    line_updates = [ts for cid, ts in updates.items() if models.get(cid) == "LinesModel"]
+    assert line_updates, "the curves were updated while the cell ran"
+    duration = messages[-1][0] - shown_at
+    assert max(len(ts) for ts in line_updates) <= 4.5 * duration + 3, "updates are coalesced to ~4 a second"
+    streams = [m["content"]["text"] for _, m in messages if m["msg_type"] == "stream"]
+    assert "scalar  rank  last" in streams[-1] and "loss" in streams[-1], "the output ends with the summary"
+    assert re.search(r"loss\s+0\s+0\.0125\s+0\.0125", streams[-1])
+
+
+def test_metrics_magic(kernel):
+    text = _help(kernel, "%metrics?")
+    assert "--summary" in text and "workbench.log" in text
+    reply, messages = kernel.execute("%metrics")
+    assert reply["status"] == "ok"
+    assert any(m["msg_type"] == "display_data" and WIDGET_VIEW in m["content"]["data"] for _, m in messages)
+    reply, messages = kernel.execute("%metrics --summary")
+    assert "scalar  rank  last" in kernel.text(messages)
+    reply, messages = kernel.execute("%metrics --path")
+    path = re.search(r"metrics: (\S+metrics\.jsonl)", kernel.text(messages)).group(1)
+    reply, messages = kernel.execute(f"print(sum(1 for _ in open({path!r})) >= 160)")
+    assert "True" in kernel.text(messages)
+    assert "unrecognized arguments" in _usage_error(kernel, "%metrics --bogus")
+
+
 def test_failing_cell_raises_in_the_kernel_once_per_traceback(kernel):
     reply, messages = kernel.execute(
         "%%distributed\nimport torch.distributed as dist\n"

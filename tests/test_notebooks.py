@@ -39,3 +39,7 @@ def test_notebook_runs_headless(path, tmp_path):
         assert "[rank 0] epoch 0" in text and "[rank 1] epoch 4" in text
         assert "DDP   loss" in text and "FSDP  loss" in text
         assert "DTensor: local shard (64, 32) of (128, 32)" in text
+    if path.name == "02_live_metrics.ipynb":
+        assert "scalar  rank  last" in text and "peak rss MiB" in text
+        assert "communication per step: DDP" in text and "none 0.00 ms" in text
+        assert "live in Jupyter" in text  # the dashboard's text fallback

@@ -49,7 +49,7 @@ class _Plot:
 
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
         axes = [bq.Axis(scale=self.x_scale, label="step"),
-                bq.Axis(scale=self.y_scale, orientation="vertical", tick_format=".3~g")]
+                bq.Axis(scale=self.y_scale, side="left", tick_format=".3~g")]
         self.figure = bq.Figure(marks=[], axes=axes, title=title, legend_location="top-right",
                                 fig_margin={"top": 40, "bottom": 40, "left": 60, "right": 20},
                                 layout=widgets.Layout(height=height, width="100%"))
@@ -121,7 +121,7 @@ class Dashboard:
             self.choice.options = names
             self.choice.value = keep if keep in names else (names[0] if names else None)
         self._draw_scalar()
-        for title, field, scale in SYSTEM_PLOTS:
+        for _title, field, scale in SYSTEM_PLOTS:
             series = self._system.get(field, {})
             self.system_plots[field].show({f"rank {r}": (xs, [y * scale for y in ys])
                                            for r, (xs, ys) in sorted(series.items())})

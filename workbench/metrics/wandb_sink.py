@@ -114,4 +114,5 @@ class WandbSink:
 
     @property
     def path(self) -> str | None:
-        return self.run.dir if self.run is not None else None
+        """The wandb run's folder (what ``wandb sync`` takes), once the run has started."""
+        return os.path.dirname(self.run.dir) if self.run is not None else None
