@@ -198,7 +198,7 @@ def test_the_dashboard_model_holds_the_values(fleet):
     dashboard.mode.value = "mean of ranks"
     (mean_line,) = dashboard.scalar_plot.lines.values()
     assert list(mean_line.y) == [i * 1.5 for i in range(40)]
-    system = dashboard.system_plots["step_time_s"].lines
+    system = dashboard.system_plots["step"].lines
     assert set(system) == {"rank 0", "rank 1"} and len(system["rank 0"].y) > 0
     bar, label = dashboard._bars[0]
     assert bar.value == bar.max and label.value.startswith(f"step {bar.max}/{bar.max}")

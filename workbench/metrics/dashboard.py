@@ -20,12 +20,12 @@ REFRESH_S = 0.25  # at most ~4 updates a second
 MAX_POINTS = 500  # per line; longer series are averaged in buckets
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
           "#bcbd22", "#17becf"]
-SYSTEM_PLOTS = [  # (title, system field, scale)
-    ("step time (ms)", "step_time_s", 1e3),
-    ("throughput (samples/s)", "samples_per_s", 1.0),
-    ("communication (ms / step)", "comm_s", 1e3),
-    ("memory (RSS MiB)", "rss_mb", 1.0),
-]
+SYSTEM_PLOTS = {  # plot -> (system field, title, scale), the first field that was recorded wins
+    "step": [("step_time_s", "step time (ms)", 1e3)],
+    "throughput": [("tokens_per_s", "throughput (tokens/s)", 1.0), ("samples_per_s", "throughput (samples/s)", 1.0)],
+    "comm": [("comm_s", "communication (ms / step)", 1e3)],
+    "memory": [("cuda_max_mb", "CUDA max allocated (MiB)", 1.0), ("rss_mb", "memory (RSS MiB)", 1.0)],
+}
 
 
 def downsample(xs: list, ys: list, limit: int = MAX_POINTS) -> tuple[list, list]:
@@ -92,7 +92,7 @@ class Dashboard:
         self.choice = widgets.Dropdown(description="scalar", options=[], layout=widgets.Layout(width="260px"))
         self.mode = widgets.ToggleButtons(options=["per rank", "mean of ranks"], value="per rank")
         self.scalar_plot = _Plot("", height="280px")
-        self.system_plots = {field: _Plot(title) for title, field, _ in SYSTEM_PLOTS}
+        self.system_plots = {plot: _Plot(fields[-1][1]) for plot, fields in SYSTEM_PLOTS.items()}
         self.choice.observe(lambda _change: self._draw_scalar(), "value")
         self.mode.observe(lambda _change: self._draw_scalar(), "value")
         grid = widgets.GridBox([p.figure for p in self.system_plots.values()],
@@ -121,10 +121,12 @@ class Dashboard:
             self.choice.options = names
             self.choice.value = keep if keep in names else (names[0] if names else None)
         self._draw_scalar()
-        for _title, field, scale in SYSTEM_PLOTS:
+        for plot, fields in SYSTEM_PLOTS.items():
+            field, title, scale = next((f for f in fields if f[0] in self._system), fields[-1])
             series = self._system.get(field, {})
-            self.system_plots[field].show({f"rank {r}": (xs, [y * scale for y in ys])
-                                           for r, (xs, ys) in sorted(series.items())})
+            self.system_plots[plot].figure.title = title
+            self.system_plots[plot].show({f"rank {r}": (xs, [y * scale for y in ys])
+                                          for r, (xs, ys) in sorted(series.items())})
         self._draw_progress()
 
     def _take(self, record: Record) -> None:
