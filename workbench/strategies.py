@@ -55,7 +55,11 @@ def build_accelerator(options: CellOptions, device_type: str):
     supports on gloo (parameters become DTensor shards).
     """
     from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedDataParallelKwargs, DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import (
+        DistributedDataParallelKwargs,
+        DistributedType,
+        FullyShardedDataParallelPlugin,
+    )
 
     # accelerate keeps process-wide singletons; a new configuration (or a new
     # process group) needs them cleared first.
