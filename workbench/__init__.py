@@ -7,13 +7,16 @@ Kernel side: :class:`Fleet` and the ``%fleet`` / ``%%distributed`` magics
 import sys
 import types
 
-from .errors import FleetError, OptionsError, WorkbenchError
+from . import checkpoint
+from .errors import CheckpointError, FleetError, OptionsError, WorkbenchError
 from .execution import DistributedCellError
 from .fleet import Fleet
 from .metrics import log, progress
 from .strategies import CellOptions
 
 __all__ = [
+    "CheckpointError",
+    "checkpoint",
     "CellOptions",
     "DistributedCellError",
     "Fleet",

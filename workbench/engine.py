@@ -26,6 +26,7 @@ class RankState:
         self.accelerator_key = None
         self.pg_sockets: set = set()  # (local, remote) addresses of the group's connections
         self.cells = 0
+        self.run_dir: str | None = None  # the fleet run's folder (checkpoints live under it)
 
     def joined(self, spec, device, pg_sockets: set) -> None:
         self.spec, self.device, self.pg_sockets = spec, device, pg_sockets
@@ -159,9 +160,10 @@ def _with_metrics(reply: dict) -> dict:
     return reply
 
 
-def attach_metrics(address: str) -> None:
-    """Send this rank's ``workbench.log`` records to the kernel's collector at ``address``."""
-    LOGGER.attach(address)
+def attach(metrics_address: str, run_dir: str) -> None:
+    """Join the fleet run: metrics go to the kernel's collector, checkpoints under ``run_dir``."""
+    STATE.run_dir = run_dir
+    LOGGER.attach(metrics_address)
 
 
 def to_cpu(value: Any) -> Any:

@@ -15,3 +15,7 @@ class FleetError(WorkbenchError):
 
 class OptionsError(WorkbenchError, ValueError):
     """A flag or argument has a value that cannot work."""
+
+
+class CheckpointError(WorkbenchError):
+    """A checkpoint cannot be saved, found or restored; nothing was changed."""

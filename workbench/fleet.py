@@ -249,7 +249,7 @@ class Fleet:
         for rank, member in enumerate(self.members):
             member.rank = rank
         self._record_pids()
-        self.client[new_ids].apply_sync(engine.attach_metrics, self.metrics.address)
+        self.client[new_ids].apply_sync(engine.attach, self.metrics.address, self.run_dir)
 
     def _record_pids(self) -> None:
         pids = [m.pid for m in self.members]

@@ -1,0 +1,293 @@
+"""Engine side: ``workbench.checkpoint.save / restore / maybe_save / register``.
+
+Every rank calls these together (they are collective). Saving goes through
+``torch.distributed.checkpoint`` on a gloo group of its own, so an async save
+can write in the background while training uses the default group.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import secrets
+import shutil
+import time
+
+from ..errors import CheckpointError
+from . import layout
+from .state import REGISTERED, RankState
+
+
+class _Saves:
+    """The save in flight on this rank, and errors not yet reported."""
+
+    def __init__(self) -> None:
+        self.pending: concurrent.futures.Future | None = None
+        self.pending_tag: str | None = None
+        self.errors: list[str] = []
+        self.group = None
+        self.group_generation = None
+        self.last_saved_step: int | None = None
+
+
+SAVES = _Saves()
+
+
+def _context():
+    from .. import engine
+    from ..metrics.logger import LOGGER
+
+    spec = engine.STATE.spec
+    if spec is None or engine.STATE.run_dir is None:
+        raise CheckpointError("checkpoints need a running fleet: %fleet start first")
+    return engine, spec, LOGGER
+
+
+def _group(spec):
+    """A gloo group for DCP's own collectives (one per process-group generation)."""
+    import torch.distributed as dist
+
+    if SAVES.group is None or SAVES.group_generation != spec.generation:
+        SAVES.group = dist.new_group(backend="gloo")
+        SAVES.group_generation = spec.generation
+    return SAVES.group
+
+
+def take_errors() -> list[str]:
+    """Errors of background saves that finished since the last call (reported once)."""
+    _reap()
+    errors, SAVES.errors = SAVES.errors, []
+    return errors
+
+
+def _reap() -> None:
+    future = SAVES.pending
+    if future is not None and future.done():
+        SAVES.pending = None
+        exc = future.exception()
+        if exc is not None:
+            SAVES.errors.append(f"background save of checkpoint {SAVES.pending_tag!r} failed: {_describe(exc)}")
+
+
+def wait() -> None:
+    """Wait for this rank's background save, if any; raise if it failed."""
+    future = SAVES.pending
+    if future is not None:
+        try:
+            future.result()
+        except Exception:
+            pass
+    errors = take_errors()
+    if errors:
+        raise CheckpointError("; ".join(errors))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    for line in text:
+        if "No space left" in line or "Read-only" in line or "Permission denied" in line:
+            return line.strip()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
+
+
+def _broadcast(value, group, rank: int):
+    import torch.distributed as dist
+
+    box = [value if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None = None,
+         strategy: str | None = None) -> str:
+    """Save a checkpoint of this rank's prepared objects; every rank must call it.
+
+    ``tag`` defaults to ``step-<workbench.step>``. With ``async_``, returns once
+    the state is staged (copied) and writes in the background; a later save
+    waits for it, and an error is reported at the next call or cell. Returns the tag.
+    """
+    engine, spec, logger = _context()
+    wait()  # one save at a time; a failed background save is reported here
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter, async_save
+    from torch.distributed.checkpoint import save as dcp_save
+
+    group = _group(spec)
+    tag = layout.check_tag(tag) if tag is not None else f"step-{logger.step}"
+    folder = layout.checkpoints_dir(engine.STATE.run_dir)
+    decision = None
+    if spec.rank == 0:
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            if os.path.exists(os.path.join(folder, tag)):
+                raise CheckpointError(f"checkpoint {tag!r} already exists; pick another --tag, or rm it first")
+            tmp = os.path.join(folder, f"{layout.TMP_PREFIX}{tag}-{secrets.token_hex(3)}")
+            os.mkdir(tmp, 0o700)
+            decision = {"tmp": tmp}
+        except OSError as exc:
+            decision = {"error": f"cannot write checkpoints to {folder}: {exc.strerror or exc}"}
+        except CheckpointError as exc:
+            decision = {"error": str(exc)}
+    decision = _broadcast(decision, group, spec.rank)
+    if "error" in decision:
+        raise CheckpointError(decision["error"])
+    tmp = decision["tmp"]
+    _mark_writer(tmp)
+    state = RankState(engine._namespace(), spec.rank, logger.step)
+    manifest = layout.Manifest(tag=tag, step=logger.step, world_size=spec.world_size,
+                               strategy=strategy or _strategy(engine), created=time.time())
+    writer = FileSystemWriter(tmp, thread_count=1)
+    try:
+        state_dict = state.state_dict()
+        if not async_:
+            dcp_save(state_dict, storage_writer=writer, process_group=group)
+    except Exception as exc:
+        _unmark_writer(tmp)
+        _abandon(tmp, spec.rank)
+        raise CheckpointError(f"checkpoint {tag!r} was not saved: {_describe(exc)}") from None
+    final = os.path.join(folder, tag)
+    if not async_:
+        if spec.rank != 0:  # rank 0's mark goes with the commit, so the folder is never seen as abandoned
+            _unmark_writer(tmp)
+        error = _commit_on_rank0(spec.rank, tmp, final, manifest, folder, keep_last)
+        errors = [None] * spec.world_size
+        dist.all_gather_object(errors, error, group=group)
+        if any(errors):
+            raise CheckpointError(next(e for e in errors if e))
+        SAVES.last_saved_step = logger.step
+        return tag
+    upload = async_save(state_dict, storage_writer=writer, process_group=group)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def finish(future):
+        if spec.rank != 0:
+            _unmark_writer(tmp)
+        try:
+            future.result()
+            error = _commit_on_rank0(spec.rank, tmp, final, manifest, folder, keep_last)
+            if error:
+                raise CheckpointError(error)
+            done.set_result(tag)
+        except BaseException as exc:  # noqa: BLE001 - kept for the next call or cell
+            _abandon(tmp, spec.rank)
+            done.set_exception(exc)
+
+    upload.add_done_callback(finish)
+    SAVES.pending, SAVES.pending_tag = done, tag
+    SAVES.last_saved_step = logger.step
+    return tag
+
+
+def _mark_writer(tmp: str) -> None:
+    writers = os.path.join(tmp, layout.WRITERS)
+    os.makedirs(writers, exist_ok=True)
+    open(os.path.join(writers, str(os.getpid())), "w").close()
+
+
+def _unmark_writer(tmp: str) -> None:
+    try:
+        os.remove(os.path.join(tmp, layout.WRITERS, str(os.getpid())))
+    except OSError:
+        pass
+
+
+def _abandon(tmp: str, rank: int) -> None:
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _commit_on_rank0(rank, tmp, final, manifest, folder, keep_last) -> str | None:
+    if rank != 0:
+        return None
+    try:
+        layout.commit(tmp, final, manifest)
+        if keep_last is not None:
+            layout.retain(folder, keep_last)
+    except CheckpointError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return str(exc)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"checkpoint {manifest.tag!r} could not be committed: {exc.strerror or exc}"
+    return None
+
+
+def _strategy(engine) -> str:
+    key = engine.STATE.accelerator_key
+    return key[0].strategy if key else "none"
+
+
+def maybe_save(every: int, *, async_: bool = True, keep_last: int | None = None) -> str | None:
+    """In a training loop: save when ``workbench.step`` is a multiple of ``every``."""
+    _, _, logger = _context()
+    if every < 1:
+        raise CheckpointError(f"maybe_save(every=...) needs a positive number of steps (got {every})")
+    step = logger.step
+    if step == 0 or step % every or SAVES.last_saved_step == step:
+        return None
+    return save(async_=async_, keep_last=keep_last)
+
+
+def restore(tag: str = "latest") -> dict:
+    """Load checkpoint ``tag`` ('latest', a tag, or a folder) into this rank's prepared objects.
+
+    Works into a different world size (DCP reshards). Returns what was restored.
+    """
+    engine, spec, logger = _context()
+    wait()
+    import torch.distributed.checkpoint as dcp
+
+    from .safe_io import safe_planner, safe_reader
+
+    path = layout.resolve(layout.checkpoints_dir(engine.STATE.run_dir), tag)
+    manifest = layout.read_manifest(path)
+    reader = safe_reader(path)
+    metadata = reader.read_metadata()
+    saved = metadata.state_dict_metadata
+    state = RankState(engine._namespace(), spec.rank, logger.step)
+    template = state.template({key.split(".", 1)[0] for key in saved})
+    _check_shapes(template, saved, manifest.tag)
+    try:
+        dcp.load(template, storage_reader=reader, planner=safe_planner(), process_group=_group(spec))
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {manifest.tag!r} could not be loaded: {_describe(exc)}") from None
+    restored = state.apply(template)
+    logger.step = int(template.get("workbench", {}).get("step", manifest.step))
+    return {"tag": manifest.tag, "step": logger.step, "saved_world_size": manifest.world_size,
+            "world_size": spec.world_size, "restored": restored, "path": path}
+
+
+def _check_shapes(template: dict, saved: dict, tag: str) -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(template)
+    mismatched, missing = [], []
+    for key, value in flat.items():
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            continue
+        meta = saved.get(key)
+        if meta is None:
+            if not key.startswith(("rng/", "optimizer/")):
+                missing.append(key)
+            continue
+        saved_shape = getattr(meta, "size", None)
+        if saved_shape is not None and tuple(saved_shape) != tuple(shape):
+            mismatched.append(f"{key}: {tuple(saved_shape)} in the checkpoint, {tuple(shape)} here")
+    if mismatched:
+        more = f" (and {len(mismatched) - 3} more)" if len(mismatched) > 3 else ""
+        raise CheckpointError(f"checkpoint {tag!r} does not fit: " + "; ".join(mismatched[:3]) + more)
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(f"checkpoint {tag!r} has no {', '.join(missing[:3])}{more}")
+
+
+def register(name: str, obj) -> None:
+    """Include ``obj`` (with ``state_dict``/``load_state_dict``, or a dict) in every checkpoint as ``name``."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise CheckpointError(f"register() needs a name that is a Python identifier (got {name!r})")
+    if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) and not isinstance(obj, dict):
+        raise CheckpointError(f"register({name!r}, ...) takes an object with state_dict/load_state_dict, or a dict")
+    REGISTERED[name] = obj

@@ -1,0 +1,200 @@
+"""On disk: ``<run>/checkpoints/<tag>/`` with DCP shards and ``manifest.json``.
+
+A save writes into ``checkpoints/.tmp-<tag>-<nonce>/``; when every rank has
+written its shard, rank 0 writes ``manifest.json`` (step, world size,
+strategy, time, file list with sizes, ``complete: true``), fsyncs it and the
+folder, and renames the folder to ``checkpoints/<tag>``. Only such folders are
+listed or restored; a ``.tmp-`` folder whose writers are gone is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..errors import CheckpointError
+
+MANIFEST = "manifest.json"
+WRITERS = ".writers"  # in a folder being written: one empty file per writer process, named by pid
+TMP_PREFIX = ".tmp-"
+FORMAT = 1
+TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+@dataclass
+class Manifest:
+    tag: str
+    step: int
+    world_size: int
+    strategy: str
+    created: float
+    files: dict[str, int] = field(default_factory=dict)  # relative path -> size in bytes
+    complete: bool = True
+    format: int = FORMAT
+
+    @property
+    def size(self) -> int:
+        return sum(self.files.values())
+
+
+@dataclass
+class Entry:
+    """One row of ``%checkpoint list``."""
+
+    tag: str
+    path: str
+    state: str  # "complete" or "writing"
+    manifest: Manifest | None = None
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def check_tag(tag: str) -> str:
+    if not isinstance(tag, str) or not TAG_PATTERN.match(tag) or tag in ("latest",):
+        raise CheckpointError(
+            f"{tag!r} is not a usable checkpoint tag: use letters, digits, '.', '_' or '-' "
+            "(up to 100, not 'latest'), e.g. --tag warmup-done"
+        )
+    return tag
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(folder: str) -> dict[str, int]:
+    found = {}
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, folder)
+            if rel != MANIFEST and not rel.startswith(WRITERS + os.sep):
+                found[rel] = os.path.getsize(full)
+    return found
+
+
+def commit(tmp: str, final: str, manifest: Manifest) -> None:
+    """Write the manifest last (fsynced), then rename the folder into place."""
+    if os.path.exists(final):
+        raise CheckpointError(f"checkpoint {manifest.tag!r} already exists; pick another --tag or rm it first")
+    for name in _files(tmp):
+        with open(os.path.join(tmp, name), "rb") as f:
+            os.fsync(f.fileno())
+    manifest.files = _files(tmp)
+    path = os.path.join(tmp, MANIFEST)
+    fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(manifest), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+    shutil.rmtree(os.path.join(tmp, WRITERS), ignore_errors=True)
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def read_manifest(path: str) -> Manifest:
+    """The manifest of a checkpoint folder, checked against the files; CheckpointError if unusable."""
+    name = os.path.basename(path.rstrip("/"))
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint folder at {path}")
+    if not os.path.exists(manifest_path):
+        raise CheckpointError(f"checkpoint {name!r} is incomplete (no {MANIFEST}): it was never committed")
+    try:
+        with open(manifest_path) as f:
+            data = json.load(f)
+        manifest = Manifest(**data)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {name!r} is corrupt: its {MANIFEST} cannot be read ({exc})") from None
+    if not manifest.complete:
+        raise CheckpointError(f"checkpoint {name!r} is incomplete (its manifest says so)")
+    for rel, size in manifest.files.items():
+        full = os.path.join(path, rel)
+        if not os.path.exists(full):
+            raise CheckpointError(f"checkpoint {name!r} is corrupt: {rel} is missing")
+        if os.path.getsize(full) != size:
+            raise CheckpointError(
+                f"checkpoint {name!r} is corrupt: {rel} has {os.path.getsize(full)} bytes, the manifest says {size}"
+            )
+    return manifest
+
+
+def _writers_alive(tmp: str) -> bool:
+    import psutil
+
+    try:
+        pids = [int(name) for name in os.listdir(os.path.join(tmp, WRITERS))]
+    except (OSError, ValueError):
+        # not marked yet: the save has just started, unless the folder is old
+        return time.time() - os.path.getmtime(tmp) < 60
+    return any(psutil.pid_exists(pid) for pid in pids)
+
+
+def list_checkpoints(folder: str, clean: bool = True) -> list[Entry]:
+    """Complete checkpoints (oldest first, by step then time), then ones still being written.
+
+    With ``clean``, temporary folders whose writers are gone are removed.
+    """
+    if not os.path.isdir(folder):
+        return []
+    complete, writing = [], []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            continue
+        if name.startswith(TMP_PREFIX):
+            if _writers_alive(path):
+                writing.append(Entry(name[len(TMP_PREFIX):].rsplit("-", 1)[0], path, "writing"))
+            elif clean:
+                shutil.rmtree(path, ignore_errors=True)
+            continue
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            continue
+        complete.append(Entry(name, path, "complete", manifest))
+    complete.sort(key=lambda e: (e.manifest.created, e.manifest.step))
+    return complete + writing
+
+
+def resolve(folder: str, tag: str) -> str:
+    """The folder of checkpoint ``tag`` ('latest': the newest complete one), or a folder path."""
+    if os.sep in tag and os.path.isdir(tag):
+        read_manifest(tag)
+        return os.path.abspath(tag)
+    entries = [e for e in list_checkpoints(folder) if e.state == "complete"]
+    if tag == "latest":
+        if not entries:
+            raise CheckpointError(f"there is no complete checkpoint in {folder} yet; save one with %checkpoint save")
+        return entries[-1].path
+    for entry in entries:
+        if entry.tag == tag:
+            return entry.path
+    path = os.path.join(folder, tag)
+    if os.path.isdir(path):
+        read_manifest(path)  # raises with the reason it is not usable
+    known = ", ".join(e.tag for e in entries) or "none yet"
+    raise CheckpointError(f"no checkpoint named {tag!r}; complete checkpoints: {known}")
+
+
+def retain(folder: str, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` complete checkpoints; never one being written."""
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be at least 1 (got {keep_last})")
+    complete = [e for e in list_checkpoints(folder, clean=False) if e.state == "complete"]
+    doomed = complete[:-keep_last]
+    for entry in doomed:
+        shutil.rmtree(entry.path, ignore_errors=True)
+    return [e.tag for e in doomed]
