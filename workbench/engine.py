@@ -152,12 +152,25 @@ def run_function(fn, args: tuple, kwargs: dict, options: dict) -> dict:
 
 
 def _with_metrics(reply: dict) -> dict:
-    """Add how many metrics records this rank sent, so the kernel can wait for them."""
+    """Add how many metrics records this rank sent (the kernel waits for them), and
+    errors of background checkpoint saves (reported once, never lost)."""
     import os
+
+    from .checkpoint.api import take_errors
 
     LOGGER.cell_finished()
     reply["metrics"] = {"pid": os.getpid(), "seq": LOGGER.flush()}
+    reply["notices"] = take_errors()
     return reply
+
+
+def call(fn, args: tuple, kwargs: dict) -> dict:
+    """Call a workbench function on this rank as the kernel's request (no cell names set)."""
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001
+        return _failure(exc, skip_frames=1)
+    return {"ok": True, "value": to_cpu(value), "display": None}
 
 
 def attach(metrics_address: str, run_dir: str) -> None:

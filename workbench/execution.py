@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -200,6 +201,8 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                 stopper.hurry()
     refresh(force=True)
     watch.finish(result.replies)
+    for notice in sorted({n for reply in result.replies.values() for n in reply.get("notices", ())}):
+        print(f"workbench: {notice}", file=sys.stderr)
 
     notes = _repair(fleet, bool(failures) or interrupted or timed_out, released or killed, killed)
     if timed_out:
@@ -254,6 +257,10 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> list[str]:
     """Rebuild the process group if the cell may have left it inconsistent."""
     if not abnormal:
         return []
+    dead = fleet.dead_ranks()
+    if dead:
+        fleet.replace(dead)
+        torn = True
     if not torn:
         checks = fleet.client[fleet.engine_ids()].apply_async(rendezvous.healthy, 3.0)
         try:
@@ -267,6 +274,9 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> list[str]:
         return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"]
     notes = ["the process group was rebuilt; models and optimizers prepared before are bound to the old "
              "group: run the cell that calls accelerator.prepare again"]
+    if dead:
+        notes.append(f"the engine of rank {_ranks(dead)} died and was replaced by a fresh one with an empty "
+                     "namespace: run your setup cells again (then %checkpoint restore to go on from the last checkpoint)")
     if killed:
         notes.append("a rank that did not stop was restarted with an empty namespace: run your setup cells again")
     return notes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from typing import Any
 import psutil
 
 from . import engine, execution, rendezvous
+from .checkpoint.control import Checkpoints
 from .devices import EngineSlot, parse_gpu_list, plan_engines
 from .errors import FleetError, OptionsError
 from .metrics.live import FleetMetrics
@@ -85,6 +87,7 @@ class Fleet:
         self.run_id: str | None = None
         self.run_dir: str | None = None
         self.metrics: FleetMetrics | None = None
+        self.checkpoints = Checkpoints(self)
         self.members: list[Member] = []
         self.generation = 0
         self.runtime_dir: str | None = None
@@ -276,6 +279,17 @@ class Fleet:
         if ranks:
             self.client.send_signal(sig, targets=self.engine_ids(ranks), block=True)
 
+    def dead_ranks(self, settle_s: float = 2.0) -> list[int]:
+        """Ranks whose engine has unregistered (it died), after letting the hub notice."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            alive = set(self.client.ids)
+            dead = [m.rank for m in self.members if m.engine_id not in alive]
+            gone = [m.rank for m in self.members if m.host == socket.gethostname() and not psutil.pid_exists(m.pid)]
+            if set(gone) <= set(dead) or time.monotonic() > deadline:
+                return sorted(set(dead) | set(gone))
+            time.sleep(0.05)
+
     def replace(self, ranks: list[int]) -> None:
         """Kill the engines of ``ranks`` and start fresh ones in their slots.
 
@@ -453,8 +467,6 @@ def _process_trees(pids: list[int]) -> list[psutil.Process]:
 
 def _memory(member: Member) -> str:
     """Resident memory of a busy local engine, read from outside (remote: unknown)."""
-    import socket
-
     if member.host != socket.gethostname():
         return "?"
     try:

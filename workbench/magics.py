@@ -239,6 +239,52 @@ class WorkbenchMagics(Magics):
 
     @line_magic
     @_friendly
+    def checkpoint(self, line: str):
+        """Sharded checkpoints of every rank's prepared objects (torch.distributed.checkpoint).
+
+        %checkpoint save [--tag NAME] [--async] [--keep-last K]
+            Save models, optimizers, schedulers, dataloader positions, RNG states,
+            workbench.step and registered objects; each rank writes its own shard.
+            The tag defaults to step-<workbench.step>. --async returns once the
+            state is copied and writes in the background; --keep-last K then
+            deletes all but the newest K complete checkpoints.
+        %checkpoint list
+            Table: tag, step, world size, strategy, size, time, state.
+        %checkpoint restore [TAG|latest|PATH]
+            Load into the prepared objects with the same names on every rank,
+            also into a different world size (resharding). Default: latest.
+        %checkpoint rm TAG
+            Delete a checkpoint.
+        %checkpoint wait
+            Wait until background saves have finished.
+
+        Checkpoints live in ./workbench-runs/<run-id>/checkpoints/<tag>/; a save is
+        atomic (written to a temporary folder, committed by a manifest and a rename).
+        """
+        args = _checkpoint_parser().parse_args(shlex.split(line))
+        if args.command is None:
+            raise UsageError("%checkpoint needs a command: save, list, restore, rm or wait (see %checkpoint?)")
+        fleet = current_fleet()
+        if fleet is None:
+            raise UsageError("no fleet is running; start one with %fleet start -n 2 and run your setup cells first")
+        checkpoints = fleet.checkpoints
+        if args.command == "save":
+            tag = checkpoints.save(args.tag, async_=args.async_, keep_last=args.keep_last)
+            how = "is being written in the background" if args.async_ else "saved"
+            print(f"checkpoint {tag!r} {how} ({checkpoints.folder})")
+        elif args.command == "list":
+            print(checkpoints.table())
+        elif args.command == "restore":
+            print(_restored_line(checkpoints.restore(args.tag)))
+        elif args.command == "rm":
+            checkpoints.remove(args.tag)
+            print(f"checkpoint {args.tag!r} removed")
+        elif args.command == "wait":
+            checkpoints.wait()
+            print("no checkpoint is being written")
+
+    @line_magic
+    @_friendly
     def metrics(self, line: str):
         """Show the live metrics dashboard of the current fleet run.
 
@@ -267,6 +313,30 @@ class WorkbenchMagics(Magics):
                 print(metrics.summary())
             else:
                 metrics.display_dashboard()
+
+
+def _checkpoint_parser() -> _Parser:
+    parser = _Parser(prog="%checkpoint", add_help=False)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    save = sub.add_parser("save", prog="%checkpoint save", add_help=False)
+    save.add_argument("--tag", default=None)
+    save.add_argument("--async", dest="async_", action="store_true")
+    save.add_argument("--keep-last", type=_count, default=None)
+    sub.add_parser("list", prog="%checkpoint list", add_help=False)
+    restore = sub.add_parser("restore", prog="%checkpoint restore", add_help=False)
+    restore.add_argument("tag", nargs="?", default="latest")
+    rm = sub.add_parser("rm", prog="%checkpoint rm", add_help=False)
+    rm.add_argument("tag")
+    sub.add_parser("wait", prog="%checkpoint wait", add_help=False)
+    return parser
+
+
+def _restored_line(report: dict) -> str:
+    world = report["world_size"]
+    resharded = f", resharded from {report['saved_world_size']} ranks" if report["saved_world_size"] != world else ""
+    what = ", ".join(report["restored"]) or "nothing (no prepared objects with these names)"
+    return (f"restored checkpoint {report['tag']!r} (step {report['step']}) on {world} ranks{resharded}: {what}; "
+            "workbench.step is now " + str(report["step"]))
 
 
 def _metrics_parser() -> _Parser:

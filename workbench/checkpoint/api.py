@@ -12,10 +12,17 @@ import os
 import secrets
 import shutil
 import time
+import traceback
 
 from ..errors import CheckpointError
 from . import layout
 from .state import REGISTERED, RankState
+
+
+def _failure_types() -> tuple:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    return (Exception, CheckpointException)
 
 
 class _Saves:
@@ -82,12 +89,21 @@ def wait() -> None:
         raise CheckpointError("; ".join(errors))
 
 
+OS_REASONS = ("No space left", "Read-only file system", "Permission denied", "Disk quota exceeded")
+
+
 def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    for line in text:
-        if "No space left" in line or "Read-only" in line or "Permission denied" in line:
-            return line.strip()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
+    """One line for a failed save or load: the OS reason if there is one, else the last line."""
+    texts = [str(exc)]
+    for failure in getattr(exc, "failures", {}).values():  # DCP's CheckpointException: one per rank
+        texts.append("".join(traceback.format_exception(failure)) if isinstance(failure, BaseException)
+                     else str(failure))
+    for text in texts:
+        for line in text.splitlines():
+            if any(reason in line for reason in OS_REASONS):
+                return line.strip()
+    lines = [line for line in texts[0].strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
 
 
 def _broadcast(value, group, rank: int):
@@ -112,6 +128,7 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
     from torch.distributed.checkpoint import FileSystemWriter, async_save
     from torch.distributed.checkpoint import save as dcp_save
 
+    _FAILURES = _failure_types()
     group = _group(spec)
     tag = layout.check_tag(tag) if tag is not None else f"step-{logger.step}"
     folder = layout.checkpoints_dir(engine.STATE.run_dir)
@@ -141,7 +158,7 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
         state_dict = state.state_dict()
         if not async_:
             dcp_save(state_dict, storage_writer=writer, process_group=group)
-    except Exception as exc:
+    except _FAILURES as exc:
         _unmark_writer(tmp)
         _abandon(tmp, spec.rank)
         raise CheckpointError(f"checkpoint {tag!r} was not saved: {_describe(exc)}") from None
@@ -239,6 +256,7 @@ def restore(tag: str = "latest") -> dict:
 
     from .safe_io import safe_planner, safe_reader
 
+    _FAILURES = _failure_types()
     path = layout.resolve(layout.checkpoints_dir(engine.STATE.run_dir), tag)
     manifest = layout.read_manifest(path)
     reader = safe_reader(path)
@@ -251,7 +269,7 @@ def restore(tag: str = "latest") -> dict:
         dcp.load(template, storage_reader=reader, planner=safe_planner(), process_group=_group(spec))
     except CheckpointError:
         raise
-    except Exception as exc:
+    except _FAILURES as exc:
         raise CheckpointError(f"checkpoint {manifest.tag!r} could not be loaded: {_describe(exc)}") from None
     restored = state.apply(template)
     logger.step = int(template.get("workbench", {}).get("step", manifest.step))
@@ -275,13 +293,24 @@ def _check_shapes(template: dict, saved: dict, tag: str) -> None:
             continue
         saved_shape = getattr(meta, "size", None)
         if saved_shape is not None and tuple(saved_shape) != tuple(shape):
-            mismatched.append(f"{key}: {tuple(saved_shape)} in the checkpoint, {tuple(shape)} here")
+            mismatched.append(f"{_readable(key)} is {tuple(saved_shape)} in the checkpoint, {tuple(shape)} here")
     if mismatched:
         more = f" (and {len(mismatched) - 3} more)" if len(mismatched) > 3 else ""
         raise CheckpointError(f"checkpoint {tag!r} does not fit: " + "; ".join(mismatched[:3]) + more)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise CheckpointError(f"checkpoint {tag!r} has no {', '.join(missing[:3])}{more}")
+        top = missing[0].split(".", 1)[0]
+        held = sorted(k.split(".", 1)[1] for k in saved if k.startswith(top + ".") and "." in k)
+        holds = f"; it holds {', '.join(held[:4])}{' …' if len(held) > 4 else ''}" if held else ""
+        names = ", ".join(_readable(k) for k in missing[:3])
+        raise CheckpointError(f"checkpoint {tag!r} does not fit: it has no {names}{more}{holds}")
+
+
+def _readable(key: str) -> str:
+    """``model/net.0.weight`` -> ``model 'net': 0.weight``."""
+    top, _, rest = key.partition(".")
+    kind, _, name = top.partition("/")
+    return f"{kind} {name!r}: {rest}" if name and rest else key
 
 
 def register(name: str, obj) -> None:

@@ -1,0 +1,329 @@
+"""Checkpoints on real ranks: round trips, async, atomicity, bad input, resharding, faults."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+import pytest
+
+from workbench import CheckpointError, DistributedCellError, Fleet
+from workbench.checkpoint import layout
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, {width}), torch.nn.ReLU(), torch.nn.Linear({width}, 4))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+"""
+TRAIN = """
+torch.manual_seed(100 + rank + workbench.step)
+for _ in range({steps}):
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    accelerator.backward(loss); optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    workbench.log(loss=loss.item())
+"""
+# full (gathered) parameters and optimizer state; collective for FSDP's DTensors
+SNAPSHOT = """
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+_params = {n.removeprefix("module."): _full(p) for n, p in model.named_parameters()}
+_moments = [_full(optimizer.optimizer.state[p]["exp_avg"]) for p in model.parameters()]
+(_params, _moments, scheduler.state_dict()["last_epoch"], workbench.step)
+"""
+
+
+def _same(a, b):
+    params_a, moments_a, *rest_a = a
+    params_b, moments_b, *rest_b = b
+    assert params_a.keys() == params_b.keys()
+    assert all((params_a[k] == params_b[k]).all() for k in params_a)
+    assert all((x == y).all() for x, y in zip(moments_a, moments_b, strict=True))
+    assert rest_a == rest_b
+
+
+def _setup(fleet, strategy, width=32, steps=3):
+    fleet.run(SETUP.format(width=width), strategy=strategy, show_output=False)
+    fleet.run(TRAIN.format(steps=steps), strategy=strategy, show_output=False)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_save_then_restore_brings_everything_back(fleet, strategy):
+    _setup(fleet, strategy)
+    tag = fleet.checkpoints.save(tag=f"roundtrip-{strategy}")
+    saved = fleet.run(SNAPSHOT, strategy=strategy, show_output=False)
+    rng_after_save = fleet.run("torch.rand(3)", strategy=strategy, show_output=False)
+    fleet.run(TRAIN.format(steps=4), strategy=strategy, show_output=False)
+    with pytest.raises(AssertionError):
+        _same(saved[0], fleet.run(SNAPSHOT, strategy=strategy, show_output=False)[0])
+    report = fleet.checkpoints.restore(tag)
+    assert {"model", "optimizer", "scheduler", "rng"} <= set(report["restored"])
+    for before, after in zip(saved, fleet.run(SNAPSHOT, strategy=strategy, show_output=False), strict=True):
+        _same(before, after)
+    rng = fleet.run("torch.rand(3)", strategy=strategy, show_output=False)
+    assert all((a == b).all() for a, b in zip(rng, rng_after_save, strict=True)), "RNG states restored per rank"
+    if strategy == "fsdp":
+        shards = fleet.run("type(model[0].weight).__name__", strategy=strategy, show_output=False)
+        assert shards == ["DTensor", "DTensor"]
+        files = layout.read_manifest(os.path.join(fleet.checkpoints.folder, tag)).files
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files), "each rank wrote its own shard"
+
+
+def test_list_shows_complete_checkpoints_with_their_manifest(fleet):
+    _setup(fleet, "ddp")
+    fleet.checkpoints.save(tag="listed")
+    entry = next(e for e in fleet.checkpoints.list() if e.tag == "listed")
+    assert entry.state == "complete"
+    m = entry.manifest
+    assert (m.world_size, m.strategy, m.complete) == (2, "ddp", True) and m.size > 0
+    assert m.step == fleet.run("workbench.step", show_output=False)[0]
+    table = fleet.checkpoints.table()
+    assert table.splitlines()[0].split() == ["tag", "step", "world", "size", "strategy", "size", "time", "state"]
+    assert any(line.startswith("listed ") for line in table.splitlines())
+    with pytest.raises(CheckpointError, match="already exists"):
+        fleet.checkpoints.save(tag="listed")
+
+
+GATE_WRITES = """
+import os, time
+import torch.distributed.checkpoint.filesystem as _fs
+_write_data = _fs.FileSystemWriter.write_data
+def _gated(self, plan, planner, _gate={gate!r}):
+    while not os.path.exists(_gate):
+        time.sleep(0.01)
+    return _write_data(self, plan, planner)
+_fs.FileSystemWriter.write_data = _gated
+"""
+
+
+def test_async_save_returns_before_writing_and_training_goes_on(fleet, tmp_path):
+    _setup(fleet, "fsdp")
+    gate = tmp_path / "gate"
+    fleet.run(GATE_WRITES.format(gate=str(gate)), show_output=False)  # writes wait until the gate opens
+    try:
+        fleet.checkpoints.save(tag="async-gated", async_=True)  # returns: the state is staged, not written
+        assert [e.state for e in fleet.checkpoints.list() if e.tag == "async-gated"] == ["writing"]
+        steps = fleet.run("workbench.step", show_output=False)
+        fleet.run(TRAIN.format(steps=3), strategy="fsdp", show_output=False)  # training goes on meanwhile
+        assert fleet.run("workbench.step", show_output=False) == [s + 3 for s in steps]
+        assert "async-gated" not in [e.tag for e in fleet.checkpoints.list() if e.state == "complete"]
+        snapshot_at_save = None
+        gate.touch()
+        fleet.checkpoints.save(tag="after-async")  # waits for the first save
+    finally:
+        gate.touch()
+        fleet.run("_fs.FileSystemWriter.write_data = _write_data", show_output=False)
+    states = {e.tag: e.state for e in fleet.checkpoints.list()}
+    assert states["async-gated"] == "complete" and states["after-async"] == "complete"
+    manifest = layout.read_manifest(os.path.join(fleet.checkpoints.folder, "async-gated"))
+    assert manifest.step == steps[0], "the async checkpoint holds the state at the time of the call"
+    assert snapshot_at_save is None
+
+
+def test_keep_last_and_maybe_save(fleet):
+    _setup(fleet, "ddp")
+    fleet.run("for _ in range(6):\n    workbench.log(x=1)\n    workbench.checkpoint.maybe_save(every=2, async_=False, keep_last=2)",
+              show_output=False)
+    complete = [e.tag for e in fleet.checkpoints.list() if e.state == "complete"]
+    step = fleet.run("workbench.step", show_output=False)[0]
+    assert complete[-2:] == [f"step-{step - 2}", f"step-{step}"]
+    assert f"step-{step - 4}" not in complete, "older ones deleted"
+    fleet.run("workbench.log(x=1)", show_output=False)
+    newest = fleet.checkpoints.save(keep_last=1)
+    assert [e.tag for e in fleet.checkpoints.list() if e.state == "complete"] == [newest]
+
+
+def test_incomplete_and_corrupt_checkpoints_are_never_used(fleet):
+    _setup(fleet, "ddp")
+    tag = fleet.checkpoints.save(tag="good")
+    folder = fleet.checkpoints.folder
+    stale = os.path.join(folder, f"{layout.TMP_PREFIX}crashed-abc123")
+    os.makedirs(os.path.join(stale, layout.WRITERS))
+    open(os.path.join(stale, layout.WRITERS, "999999"), "w").close()  # a writer that is gone
+    shutil.copytree(os.path.join(folder, tag), os.path.join(folder, "nomanifest"))
+    os.remove(os.path.join(folder, "nomanifest", layout.MANIFEST))
+    shutil.copytree(os.path.join(folder, tag), os.path.join(folder, "truncated"))
+    with open(os.path.join(folder, "truncated", "__1_0.distcp"), "r+b") as f:
+        f.truncate(10)
+    tags = [e.tag for e in fleet.checkpoints.list()]
+    assert "nomanifest" not in tags and "truncated" not in tags and "crashed" not in tags
+    assert not os.path.exists(stale), "an abandoned temporary folder is cleaned up"
+    assert layout.resolve(folder, "latest").endswith(f"/{tag}")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        fleet.checkpoints.restore("nomanifest")
+    with pytest.raises(CheckpointError, match="corrupt: __1_0.distcp has 10 bytes"):
+        fleet.checkpoints.restore("truncated")
+    with pytest.raises(CheckpointError, match="no checkpoint named 'nope'; complete checkpoints: .*good"):
+        fleet.checkpoints.restore("nope")
+
+
+def test_mismatched_shapes_name_the_keys_and_change_nothing(fleet):
+    _setup(fleet, "ddp", width=32)
+    tag = fleet.checkpoints.save(tag="width32")
+    _setup(fleet, "ddp", width=48)
+    before = fleet.run(SNAPSHOT, show_output=False)
+    with pytest.raises(CheckpointError, match=r"does not fit: model 'model': 0.weight is \(32, 16\) in the checkpoint, \(48, 16\) here"):
+        fleet.checkpoints.restore(tag)
+    _same(before[0], fleet.run(SNAPSHOT, show_output=False)[0])
+
+
+def test_metadata_that_would_run_code_is_refused(fleet, tmp_path):
+    _setup(fleet, "ddp")
+    tag = fleet.checkpoints.save(tag="tampered")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with open(os.path.join(fleet.checkpoints.folder, tag, ".metadata"), "wb") as f:
+        pickle.dump(Evil(), f)
+    manifest = os.path.join(fleet.checkpoints.folder, tag, layout.MANIFEST)
+    text = open(manifest).read()
+    import json
+
+    data = json.loads(text)
+    data["files"][".metadata"] = os.path.getsize(os.path.join(fleet.checkpoints.folder, tag, ".metadata"))
+    open(manifest, "w").write(json.dumps(data))
+    with pytest.raises(CheckpointError, match="unsafe.*posix.system is not allowed"):
+        fleet.checkpoints.restore(tag)
+    assert not marker.exists()
+
+
+@contextlib.contextmanager
+def _tmpfs(size: str, readonly=False):
+    path = tempfile.mkdtemp(prefix="workbench-tmpfs-")
+    options = f"size={size}" + (",ro" if readonly else "")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True)
+    if done.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path])
+        os.rmdir(path)
+
+
+@contextlib.contextmanager
+def _checkpoints_on(fleet, target):
+    folder = fleet.checkpoints.folder
+    moved = folder + ".real"
+    if os.path.exists(folder):
+        os.rename(folder, moved)
+    os.symlink(target, folder)
+    try:
+        yield
+    finally:
+        os.remove(folder)
+        if os.path.exists(moved):
+            os.rename(moved, folder)
+
+
+def test_a_full_disk_and_an_unwritable_folder_give_clear_errors(fleet, capsys):
+    _setup(fleet, "fsdp", width=2048)  # ~1 MB of state per rank
+    with _tmpfs("256k") as small, _checkpoints_on(fleet, small):
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            fleet.checkpoints.save(tag="toobig")
+        assert os.listdir(small) == [], "nothing half-written is left behind"
+        fleet.checkpoints.save(tag="toobig-async", async_=True)
+        capsys.readouterr()
+        for _ in range(50):  # the next cell after the background write failed reports it, once
+            assert fleet.run("1", strategy="fsdp", show_output=False) == [1, 1]
+            reported = capsys.readouterr().err
+            if "background save" in reported:
+                break
+            time.sleep(0.1)
+        assert "background save of checkpoint 'toobig-async' failed: OSError: [Errno 28] No space left on device" in reported, reported
+        assert os.listdir(small) == []
+        fleet.run("1", strategy="fsdp", show_output=False)
+        assert "background save" not in capsys.readouterr().err
+    with _tmpfs("1m", readonly=True) as readonly, _checkpoints_on(fleet, readonly):
+        with pytest.raises(CheckpointError, match="cannot write checkpoints to .*Read-only file system"):
+            fleet.checkpoints.save(tag="ro")
+    fleet.checkpoints.save(tag="after-disk-errors")
+
+
+def test_restore_without_a_fleet_is_refused():
+    fleet = Fleet(n=2, progress=False)
+    with pytest.raises(CheckpointError, match="no fleet is running"):
+        fleet.checkpoints.restore()
+
+
+@pytest.mark.parametrize("first, second", [("fsdp", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_restore_into_another_world_size_and_back(fleet, first, second, three_ranks):
+    _setup(fleet, first)
+    tag = fleet.checkpoints.save(tag=f"reshard-{first}-{second}")
+    saved = fleet.run(SNAPSHOT, strategy=first, show_output=False)[0]
+    path = os.path.join(fleet.checkpoints.folder, tag)
+    three_ranks.run(SETUP.format(width=32), strategy=second, show_output=False)
+    report = three_ranks.checkpoints.restore(path)
+    assert report["saved_world_size"] == 2 and report["world_size"] == 3
+    for got in three_ranks.run(SNAPSHOT, strategy=second, show_output=False):
+        _same(saved, got)
+    back = three_ranks.checkpoints.save(tag="from-three")
+    fleet.run(SETUP.format(width=32), strategy=first, show_output=False)
+    fleet.checkpoints.restore(os.path.join(three_ranks.checkpoints.folder, back))
+    for got in fleet.run(SNAPSHOT, strategy=first, show_output=False):
+        _same(saved, got)
+    shutil.rmtree(os.path.join(three_ranks.checkpoints.folder, back))
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    with Fleet(n=3, progress=False, wandb=False) as f:
+        yield f
+
+
+def _kill_during_save(fleet, victim: int, gate) -> BaseException | None:
+    """SIGKILL rank ``victim`` while every rank is inside DCP's write step of a save."""
+    folder = fleet.checkpoints.folder
+    fleet.run(GATE_WRITES.format(gate=str(gate)), show_output=False)
+    outcome = {}
+
+    def save():
+        try:
+            fleet.checkpoints.save(tag=f"killed-{time.monotonic_ns()}")
+        except BaseException as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=save)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(n.startswith(layout.TMP_PREFIX) for n in os.listdir(folder)):
+        time.sleep(0.005)
+    time.sleep(0.5)  # every rank is now waiting at the gate inside write_data
+    os.kill(fleet.member(victim).pid, signal.SIGKILL)
+    gate.touch()
+    worker.join(60)
+    gate.unlink()
+    assert not worker.is_alive(), "the save must not hang when a rank dies"
+    return outcome.get("error")
+
+
+def test_sigkill_of_a_rank_during_a_save_keeps_the_last_checkpoint(fleet, tmp_path):
+    _setup(fleet, "fsdp")
+    good = fleet.checkpoints.save(tag="before-kills")
+    for attempt in range(3):
+        error = _kill_during_save(fleet, victim=1 if attempt % 2 == 0 else 0, gate=tmp_path / "gate")
+        assert isinstance(error, DistributedCellError), error
+        assert "died and was replaced" in error.report()
+        assert layout.resolve(fleet.checkpoints.folder, "latest").endswith(f"/{good}")
+        assert not [e for e in fleet.checkpoints.list() if e.state == "writing"]
+        assert not [n for n in os.listdir(fleet.checkpoints.folder) if n.startswith(layout.TMP_PREFIX)]
+        assert len(fleet.run("rank", show_output=False)) == 2, "the dead rank was replaced"
+        fleet.run("import torch.distributed.checkpoint.filesystem as _fs\n"
+                  "_fs.FileSystemWriter.write_data = getattr(_fs.FileSystemWriter.write_data, '__wrapped__', "
+                  "globals().get('_write_data', _fs.FileSystemWriter.write_data))", show_output=False)
+        _setup(fleet, "fsdp")  # the new engine starts empty: set up again
+        assert fleet.checkpoints.restore("latest")["tag"] == good
+    assert fleet.checkpoints.save(tag="after-kills") == "after-kills"

@@ -1,0 +1,90 @@
+"""Kernel side: save, list, restore and remove a fleet run's checkpoints.
+
+``fleet.checkpoints`` is a :class:`Checkpoints`; ``%checkpoint`` parses its
+arguments and calls it. Saving and restoring run on every rank; listing and
+removing only read the run's folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from .. import engine, execution
+from ..errors import CheckpointError
+from . import api, layout
+
+
+class Checkpoints:
+    def __init__(self, fleet) -> None:
+        self.fleet = fleet
+
+    @property
+    def folder(self) -> str:
+        if self.fleet.run_dir is None:
+            raise CheckpointError("no fleet is running; start one with %fleet start -n 2")
+        return layout.checkpoints_dir(self.fleet.run_dir)
+
+    def _on_every_rank(self, fn, *args, **kwargs) -> list:
+        ranks = self.fleet._targets(None)
+        try:
+            result = execution.run_on_ranks(self.fleet, ranks, engine.call, (fn, args, kwargs), show_output=False)
+        except execution.DistributedCellError as exc:
+            reasons = {f.evalue for f in exc.failures if not f.stopped}
+            if all(f.ename == "CheckpointError" for f in exc.failures if not f.stopped) and len(reasons) == 1:
+                raise CheckpointError(reasons.pop()) from None  # the same one-line reason on every rank
+            raise
+        return result.values()
+
+    def save(self, tag: str | None = None, *, async_: bool = False, keep_last: int | None = None) -> str:
+        """Save a checkpoint on every rank; returns its tag (at once for ``async_``)."""
+        if tag is not None:
+            layout.check_tag(tag)
+        if keep_last is not None and keep_last < 1:
+            raise CheckpointError(f"--keep-last must be at least 1 (got {keep_last})")
+        return self._on_every_rank(api.save, tag, async_=async_, keep_last=keep_last)[0]
+
+    def list(self) -> list[layout.Entry]:
+        return layout.list_checkpoints(self.folder)
+
+    def restore(self, tag: str = "latest") -> dict:
+        """Restore ``tag`` ('latest', a tag or a folder) on every rank; returns rank 0's report."""
+        layout.resolve(self.folder, tag)  # a clear error before any rank is involved
+        return self._on_every_rank(api.restore, tag)[0]
+
+    def wait(self) -> None:
+        """Wait for background saves on every rank to finish (errors are raised)."""
+        self._on_every_rank(api.wait)
+
+    def remove(self, tag: str) -> None:
+        entries = {e.tag: e for e in self.list()}
+        entry = entries.get(tag)
+        if entry is None:
+            known = ", ".join(t for t, e in entries.items() if e.state == "complete") or "none"
+            raise CheckpointError(f"no checkpoint named {tag!r}; complete checkpoints: {known}")
+        if entry.state == "writing":
+            raise CheckpointError(f"checkpoint {tag!r} is still being written; wait for it, then rm it")
+        shutil.rmtree(entry.path)
+
+    def table(self) -> str:
+        entries = self.list()
+        if not entries:
+            return f"no checkpoints yet in {self.folder}; save one with %checkpoint save"
+        rows = [["tag", "step", "world size", "strategy", "size", "time", "state"]]
+        for entry in entries:
+            m = entry.manifest
+            if m is None:
+                rows.append([entry.tag, "", "", "", "", "", "writing…"])
+                continue
+            when = time.strftime("%H:%M:%S", time.localtime(m.created))
+            rows.append([m.tag, str(m.step), str(m.world_size), m.strategy, _size(m.size), when, "complete"])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
