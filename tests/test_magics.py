@@ -33,6 +33,7 @@ def test_help_text_on_every_magic(kernel):
 
 def test_distributed_without_a_fleet(kernel):
     assert "start one with %fleet start" in _usage_error(kernel, "%%distributed\nprint(1)")
+    assert "no fleet is running" in _usage_error(kernel, "%checkpoint restore")
 
 
 @pytest.mark.parametrize(
@@ -137,6 +138,28 @@ def test_metrics_magic(kernel):
     reply, messages = kernel.execute(f"print(sum(1 for _ in open({path!r})) >= 160)")
     assert "True" in kernel.text(messages)
     assert "unrecognized arguments" in _usage_error(kernel, "%metrics --bogus")
+
+
+def test_checkpoint_magic(kernel):
+    text = _help(kernel, "%checkpoint?")
+    assert "%checkpoint save" in text and "--async" in text and "restore [TAG|latest|PATH]" in text
+    setup = ("%%distributed --strategy fsdp\nimport torch\nmodel = torch.nn.Linear(8, 8)\n"
+             "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+             "model, optimizer = accelerator.prepare(model, optimizer)")
+    assert kernel.execute(setup)[0]["status"] == "ok"
+    reply, messages = kernel.execute("%checkpoint save --tag magic-1")
+    assert reply["status"] == "ok" and "checkpoint 'magic-1' saved" in kernel.text(messages)
+    reply, messages = kernel.execute("%checkpoint list")
+    rows = [line.split() for line in kernel.text(messages).splitlines()]
+    assert rows[0][:2] == ["tag", "step"] and any(r[0] == "magic-1" and r[-1] == "complete" for r in rows[1:])
+    reply, messages = kernel.execute("%checkpoint restore")
+    assert "restored checkpoint 'magic-1'" in kernel.text(messages) and "model, optimizer" in kernel.text(messages)
+    assert "complete checkpoints: magic-1" in _usage_error(kernel, "%checkpoint restore nope")
+    assert "not a usable checkpoint tag" in _usage_error(kernel, "%checkpoint save --tag 'bad tag'")
+    assert "needs a command" in _usage_error(kernel, "%checkpoint")
+    reply, messages = kernel.execute("%checkpoint rm magic-1")
+    assert "removed" in kernel.text(messages)
+    assert "no checkpoint named 'magic-1'" in _usage_error(kernel, "%checkpoint rm magic-1")
 
 
 def test_failing_cell_raises_in_the_kernel_once_per_traceback(kernel):

@@ -44,3 +44,10 @@ def test_notebook_runs_headless(path, tmp_path):
         assert re.search(r"scalar +rank +last", text) and "peak rss MiB" in text
         assert "communication per step: DDP" in text and "none 0.00 ms" in text
         assert "live in Jupyter" in text  # the dashboard's text fallback
+    if path.name == "03_checkpoints.ipynb":
+        assert "[rank 0] task A loss after 150 steps" in text and "[rank 1] task A loss after 150 steps" in text
+        assert "restored checkpoint 'task-a' (step 150) on 2 ranks" in text
+        assert "[rank 0] back at step 150" in text
+        assert "on 3 ranks, resharded from 2 ranks: model, optimizer, scheduler, rng" in text
+        assert "[rank 2] rank 2/3: shard (42, 32) of (128, 32), step 150" in text
+        assert "task C (new data) loss" in text and "at step 250" in text
