@@ -6,16 +6,15 @@ import contextlib
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import tempfile
-import threading
 import time
 
 import pytest
 
 from workbench import CheckpointError, DistributedCellError, Fleet
 from workbench.checkpoint import layout
+from workbench.testing import gate_checkpoint_writes, kill_rank_during_save, ungate_checkpoint_writes
 
 SETUP = """
 import torch
@@ -93,22 +92,10 @@ def test_list_shows_complete_checkpoints_with_their_manifest(fleet):
         fleet.checkpoints.save(tag="listed")
 
 
-GATE_WRITES = """
-import os, time
-import torch.distributed.checkpoint.filesystem as _fs
-_write_data = _fs.FileSystemWriter.write_data
-def _gated(self, plan, planner, _gate={gate!r}):
-    while not os.path.exists(_gate):
-        time.sleep(0.01)
-    return _write_data(self, plan, planner)
-_fs.FileSystemWriter.write_data = _gated
-"""
-
-
 def test_async_save_returns_before_writing_and_training_goes_on(fleet, tmp_path):
     _setup(fleet, "fsdp")
     gate = tmp_path / "gate"
-    fleet.run(GATE_WRITES.format(gate=str(gate)), show_output=False)  # writes wait until the gate opens
+    gate_checkpoint_writes(fleet, str(gate))  # writes wait until the gate opens
     try:
         fleet.checkpoints.save(tag="async-gated", async_=True)  # returns: the state is staged, not written
         assert [e.state for e in fleet.checkpoints.list() if e.tag == "async-gated"] == ["writing"]
@@ -116,17 +103,15 @@ def test_async_save_returns_before_writing_and_training_goes_on(fleet, tmp_path)
         fleet.run(TRAIN.format(steps=3), strategy="fsdp", show_output=False)  # training goes on meanwhile
         assert fleet.run("workbench.step", show_output=False) == [s + 3 for s in steps]
         assert "async-gated" not in [e.tag for e in fleet.checkpoints.list() if e.state == "complete"]
-        snapshot_at_save = None
         gate.touch()
         fleet.checkpoints.save(tag="after-async")  # waits for the first save
     finally:
         gate.touch()
-        fleet.run("_fs.FileSystemWriter.write_data = _write_data", show_output=False)
+        ungate_checkpoint_writes(fleet)
     states = {e.tag: e.state for e in fleet.checkpoints.list()}
     assert states["async-gated"] == "complete" and states["after-async"] == "complete"
     manifest = layout.read_manifest(os.path.join(fleet.checkpoints.folder, "async-gated"))
     assert manifest.step == steps[0], "the async checkpoint holds the state at the time of the call"
-    assert snapshot_at_save is None
 
 
 def test_keep_last_and_maybe_save(fleet):
@@ -284,46 +269,17 @@ def three_ranks():
         yield f
 
 
-def _kill_during_save(fleet, victim: int, gate) -> BaseException | None:
-    """SIGKILL rank ``victim`` while every rank is inside DCP's write step of a save."""
-    folder = fleet.checkpoints.folder
-    fleet.run(GATE_WRITES.format(gate=str(gate)), show_output=False)
-    outcome = {}
-
-    def save():
-        try:
-            fleet.checkpoints.save(tag=f"killed-{time.monotonic_ns()}")
-        except BaseException as exc:  # noqa: BLE001
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=save)
-    worker.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not any(n.startswith(layout.TMP_PREFIX) for n in os.listdir(folder)):
-        time.sleep(0.005)
-    time.sleep(0.5)  # every rank is now waiting at the gate inside write_data
-    os.kill(fleet.member(victim).pid, signal.SIGKILL)
-    gate.touch()
-    worker.join(60)
-    gate.unlink()
-    assert not worker.is_alive(), "the save must not hang when a rank dies"
-    return outcome.get("error")
-
-
 def test_sigkill_of_a_rank_during_a_save_keeps_the_last_checkpoint(fleet, tmp_path):
     _setup(fleet, "fsdp")
     good = fleet.checkpoints.save(tag="before-kills")
     for attempt in range(3):
-        error = _kill_during_save(fleet, victim=1 if attempt % 2 == 0 else 0, gate=tmp_path / "gate")
+        error = kill_rank_during_save(fleet, victim=1 if attempt % 2 == 0 else 0, gate=str(tmp_path / "gate"))
         assert isinstance(error, DistributedCellError), error
         assert "died and was replaced" in error.report()
         assert layout.resolve(fleet.checkpoints.folder, "latest").endswith(f"/{good}")
         assert not [e for e in fleet.checkpoints.list() if e.state == "writing"]
         assert not [n for n in os.listdir(fleet.checkpoints.folder) if n.startswith(layout.TMP_PREFIX)]
         assert len(fleet.run("rank", show_output=False)) == 2, "the dead rank was replaced"
-        fleet.run("import torch.distributed.checkpoint.filesystem as _fs\n"
-                  "_fs.FileSystemWriter.write_data = getattr(_fs.FileSystemWriter.write_data, '__wrapped__', "
-                  "globals().get('_write_data', _fs.FileSystemWriter.write_data))", show_output=False)
         _setup(fleet, "fsdp")  # the new engine starts empty: set up again
         assert fleet.checkpoints.restore("latest")["tag"] == good
     assert fleet.checkpoints.save(tag="after-kills") == "after-kills"

@@ -35,6 +35,17 @@ class _Saves:
         self.group = None
         self.group_generation = None
         self.last_saved_step: int | None = None
+        self.stager = None  # keeps its staging buffers: later async saves only copy into them
+
+    def staging(self):
+        if self.stager is None:
+            # synchronous copy into cached CPU buffers (pinned memory needs CUDA)
+            import torch
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self.stager = DefaultStager(StagingOptions(cuda, False, False, False))
+        return self.stager
 
 
 SAVES = _Saves()
@@ -173,7 +184,7 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
             raise CheckpointError(next(e for e in errors if e))
         SAVES.last_saved_step = logger.step
         return tag
-    upload = async_save(state_dict, storage_writer=writer, process_group=group)
+    upload = async_save(state_dict, storage_writer=writer, process_group=group, async_stager=SAVES.staging())
     done: concurrent.futures.Future = concurrent.futures.Future()
 
     def finish(future):

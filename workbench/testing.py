@@ -1,0 +1,69 @@
+"""Fault injection for tests and soak benchmarks: hold checkpoint writes, kill a rank mid-save."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from .checkpoint import layout
+
+_GATE_WRITES = """
+import os, time
+import torch.distributed.checkpoint.filesystem as _fs
+if not hasattr(_fs.FileSystemWriter.write_data, "_workbench_gate"):
+    _original_write_data = _fs.FileSystemWriter.write_data
+    def _gated(self, plan, planner, _gate={gate!r}):
+        while not os.path.exists(_gate):
+            time.sleep(0.01)
+        return _original_write_data(self, plan, planner)
+    _gated._workbench_gate = _original_write_data
+    _fs.FileSystemWriter.write_data = _gated
+"""
+_UNGATE_WRITES = """
+import torch.distributed.checkpoint.filesystem as _fs
+_fs.FileSystemWriter.write_data = getattr(_fs.FileSystemWriter.write_data, "_workbench_gate",
+                                          _fs.FileSystemWriter.write_data)
+"""
+
+
+def gate_checkpoint_writes(fleet, gate: str) -> None:
+    """Make DCP's write step wait on every rank until the file ``gate`` exists."""
+    fleet.run(_GATE_WRITES.format(gate=str(gate)), show_output=False)
+
+
+def ungate_checkpoint_writes(fleet) -> None:
+    fleet.run(_UNGATE_WRITES, show_output=False)
+
+
+def kill_rank_during_save(fleet, victim: int, gate: str, tag: str | None = None) -> BaseException | None:
+    """SIGKILL rank ``victim`` while every rank is inside DCP's write step of a save.
+
+    Returns the error the save raised (None if it did not fail). The writes are
+    ungated again on the ranks that survive.
+    """
+    gate_checkpoint_writes(fleet, gate)
+    folder = fleet.checkpoints.folder
+    outcome: dict = {}
+
+    def save():
+        try:
+            fleet.checkpoints.save(tag=tag or f"killed-{time.monotonic_ns()}")
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=save)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(n.startswith(layout.TMP_PREFIX) for n in os.listdir(folder)):
+        time.sleep(0.005)
+    time.sleep(0.5)  # every rank is now waiting at the gate, inside write_data
+    os.kill(fleet.member(victim).pid, signal.SIGKILL)
+    open(gate, "w").close()
+    worker.join(60)
+    os.remove(gate)
+    if worker.is_alive():
+        raise RuntimeError("the save hung after a rank was killed")
+    ungate_checkpoint_writes(fleet)
+    return outcome.get("error")
