@@ -77,6 +77,21 @@ def test_save_then_restore_brings_everything_back(fleet, strategy):
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files), "each rank wrote its own shard"
 
 
+def test_the_dataloader_position_is_restored(fleet):
+    fleet.run("import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+              "loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(64.)), batch_size=4))\n"
+              "seen = []\nfor (batch,) in loader:\n    seen.append(batch.tolist())\n    if len(seen) == 3:\n        break",
+              show_output=False)
+    fleet.checkpoints.save(tag="mid-epoch")
+    epoch = fleet.run("[b.tolist() for (b,) in loader]", show_output=False)  # a full pass from the start
+    report = fleet.checkpoints.restore("mid-epoch")
+    assert "loader" in report["restored"]
+    resumed = fleet.run("[b.tolist() for (b,) in loader]", show_output=False)
+    for rank in (0, 1):
+        assert resumed[rank] == epoch[rank][3:], "the pass goes on after the 3 batches already seen"
+    assert fleet.run("len([b for b in loader])", show_output=False) == [len(e) for e in epoch], "then whole passes"
+
+
 def test_list_shows_complete_checkpoints_with_their_manifest(fleet):
     _setup(fleet, "ddp")
     fleet.checkpoints.save(tag="listed")

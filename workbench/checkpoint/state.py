@@ -135,7 +135,7 @@ class RankState:
             position = loaded.get(f"dataloader/{name}")
             if position is not None:
                 loader.iteration = position["epoch"]
-                loader._workbench_skip = position["batches"]
+                loader.skip_batches = position["batches"]  # for the next pass only
                 restored.append(name)
         for name, obj in REGISTERED.items():
             value = loaded.get(f"user/{name}")

@@ -9,7 +9,8 @@ user code:
 - FSDP2: the all-gather and reduce-scatter of every FSDP module wrapped the
   same way (FSDP2's documented custom-comm extension point);
 - the model's forward counts samples (the first dimension of its first tensor);
-- the optimizer's step marks the end of a training step.
+- the optimizer's step marks the end of a training step;
+- a dataloader counts the batches of the current pass (its position in checkpoints).
 
 Communication time is the union of those intervals (buckets overlap), so it is
 the wall time during which at least one collective was in flight.
@@ -113,6 +114,35 @@ def _count_samples(logger):
     return hook
 
 
+def _track_position(loader) -> None:
+    """Count the batches a prepared dataloader has yielded in the current pass (its
+    position in checkpoints); ``loader.skip_batches`` set by a restore lasts one pass.
+
+    accelerate's DataLoaderShard calls ``_update_state_dict`` once per batch, and
+    ``begin``/``end`` around each pass; instance attributes wrap those three.
+    """
+    if not all(hasattr(loader, name) for name in ("_update_state_dict", "begin", "end", "skip_batches")):
+        return
+    update, begin, end = loader._update_state_dict, loader.begin, loader.end
+    base_skip = loader.skip_batches
+
+    def counting_update():
+        loader._workbench_batches += 1
+        update()
+
+    def counting_begin():
+        loader._workbench_batches = 0
+        begin()
+
+    def counting_end():
+        loader._workbench_batches = 0
+        loader.skip_batches = base_skip
+        end()
+
+    loader._workbench_batches = 0
+    loader._update_state_dict, loader.begin, loader.end = counting_update, counting_begin, counting_end
+
+
 def instrument(obj, logger) -> None:
     """Add workbench's measurements to one object returned by ``accelerator.prepare``."""
     if getattr(obj, "_workbench_instrumented", False):
@@ -131,6 +161,8 @@ def instrument(obj, logger) -> None:
     elif hasattr(obj, "optimizer") and isinstance(obj.optimizer, torch.optim.Optimizer):
         # accelerate's optimizer wrapper skips the inner step while accumulating
         obj.optimizer.register_step_post_hook(lambda *_: logger.optimizer_stepped())
+    elif isinstance(obj, torch.utils.data.DataLoader):
+        _track_position(obj)
     else:
         return
     try:
