@@ -102,13 +102,14 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def test_a_logging_cell_shows_the_dashboard_live_then_a_summary(kernel):
-    code = "%%distributed\nimport time\nfor i in range(80):\n    workbench.log(loss=1 / (i + 1))\n    time.sleep(0.02)"
+    code = "%%distributed\nimport time\nfor i in range(120):\n    workbench.log(loss=1 / (i + 1))\n    time.sleep(0.02)"
     reply, messages = kernel.execute(code)
     assert reply["status"] == "ok"
     views = [(t, m) for t, m in messages if m["msg_type"] == "display_data" and WIDGET_VIEW in m["content"]["data"]]
     assert len(views) == 1, "one dashboard view per cell"
     shown_at = views[0][0]
-    assert shown_at < messages[-1][0] - 0.5, "the dashboard appears while the cell runs"
+    summary_at = next(t for t, m in messages if m["msg_type"] == "stream" and "scalar" in m["content"]["text"])
+    assert shown_at < summary_at - 0.3, "the dashboard appears while the cell runs"
     models = {m["content"]["comm_id"]: m["content"]["data"]["state"].get("_model_name")
               for _, m in messages if m["msg_type"] == "comm_open"}
     assert "FigureModel" in models.values() and "LinesModel" in models.values()
@@ -122,7 +123,7 @@ def test_a_logging_cell_shows_the_dashboard_live_then_a_summary(kernel):
     assert max(len(ts) for ts in line_updates) <= 4.5 * duration + 3, "updates are coalesced to ~4 a second"
     streams = [m["content"]["text"] for _, m in messages if m["msg_type"] == "stream"]
     assert "scalar  rank  last" in streams[-1] and "loss" in streams[-1], "the output ends with the summary"
-    assert re.search(r"loss\s+0\s+0\.0125\s+0\.0125", streams[-1])
+    assert re.search(r"loss\s+0\s+0\.008333\s+0\.008333", streams[-1]), streams[-1]
 
 
 def test_metrics_magic(kernel):
@@ -174,8 +175,9 @@ def test_failing_cell_raises_in_the_kernel_once_per_traceback(kernel):
     assert text.count("raise KeyError('missing column')") == 1
     assert "rank 1 stopped" in text
     assert "magics.py" not in text and "execution.py" not in text  # no kernel-side traceback spam
+    assert "replaced" not in text, text
     reply, messages = kernel.execute("%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
-    assert reply["status"] == "ok" and "2.0" in kernel.text(messages)
+    assert reply["status"] == "ok" and "2.0" in kernel.text(messages), text + kernel.text(messages)[-1500:]
 
 
 def test_interrupting_the_kernel_stops_every_rank(kernel):
@@ -187,6 +189,6 @@ def test_interrupting_the_kernel_stops_every_rank(kernel):
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
     assert messages[-1][0] < 15
     reply, messages = kernel.execute("%%distributed\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
-    assert reply["status"] == "ok" and "2.0" in kernel.text(messages)
+    assert reply["status"] == "ok" and "2.0" in kernel.text(messages), kernel.text(messages)[-1500:]
     reply, _ = kernel.execute("%fleet stop")
     assert reply["status"] == "ok"

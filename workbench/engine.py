@@ -27,6 +27,7 @@ class RankState:
         self.pg_sockets: set = set()  # (local, remote) addresses of the group's connections
         self.cells = 0
         self.run_dir: str | None = None  # the fleet run's folder (checkpoints live under it)
+        self.in_user_code = False
 
     def joined(self, spec, device, pg_sockets: set) -> None:
         self.spec, self.device, self.pg_sockets = spec, device, pg_sockets
@@ -63,6 +64,24 @@ class RankState:
 
 
 STATE = RankState()
+
+
+def _interrupt_user_code(signum, frame) -> None:
+    """SIGINT on an engine: interrupts the user's code, never workbench's own bookkeeping
+    (a late interrupt that lands after the code ended must not break the reply)."""
+    if STATE.in_user_code:
+        raise KeyboardInterrupt
+
+
+class _UserCode:
+    def __enter__(self):
+        import signal
+
+        signal.signal(signal.SIGINT, _interrupt_user_code)  # ipykernel restores its own after the request
+        STATE.in_user_code = True
+
+    def __exit__(self, *exc):
+        STATE.in_user_code = False
 
 
 def _namespace() -> dict:
@@ -125,8 +144,9 @@ def run_cell(
     LOGGER.cell_started()
     try:
         body, last = _compile_cell(code, filename)
-        exec(body, ns)
-        value = eval(last, ns) if last is not None else None
+        with _UserCode():
+            exec(body, ns)
+            value = eval(last, ns) if last is not None else None
     except BaseException as exc:  # noqa: BLE001
         return _with_metrics(_failure(exc, skip_frames=1))
     result = {"ok": True, "value": None, "display": None}
@@ -145,7 +165,8 @@ def run_function(fn, args: tuple, kwargs: dict, options: dict) -> dict:
     try:
         ns.update(STATE.names(CellOptions(**options)))
         LOGGER.cell_started()
-        value = fn(*args, **kwargs)
+        with _UserCode():
+            value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001
         return _with_metrics(_failure(exc, skip_frames=1))
     return _with_metrics({"ok": True, "value": to_cpu(value), "display": None})
@@ -167,7 +188,8 @@ def _with_metrics(reply: dict) -> dict:
 def call(fn, args: tuple, kwargs: dict) -> dict:
     """Call a workbench function on this rank as the kernel's request (no cell names set)."""
     try:
-        value = fn(*args, **kwargs)
+        with _UserCode():
+            value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001
         return _failure(exc, skip_frames=1)
     return {"ok": True, "value": to_cpu(value), "display": None}
