@@ -243,7 +243,8 @@ def test_a_full_disk_and_an_unwritable_folder_give_clear_errors(fleet, capsys):
             if "background save" in reported:
                 break
             time.sleep(0.1)
-        assert "background save of checkpoint 'toobig-async' failed: OSError: [Errno 28] No space left on device" in reported, reported
+        assert "background save of checkpoint 'toobig-async' failed: " in reported, reported
+        assert "No space left on device" in reported, reported
         assert os.listdir(small) == []
         fleet.run("1", strategy="fsdp", show_output=False)
         assert "background save" not in capsys.readouterr().err

@@ -84,7 +84,8 @@ def _reap() -> None:
         SAVES.pending = None
         exc = future.exception()
         if exc is not None:
-            SAVES.errors.append(f"background save of checkpoint {SAVES.pending_tag!r} failed: {_describe(exc)}")
+            reason = str(exc) if isinstance(exc, CheckpointError) else _describe(exc)
+            SAVES.errors.append(f"background save of checkpoint {SAVES.pending_tag!r} failed: {reason}")
 
 
 def wait() -> None:
@@ -115,6 +116,49 @@ def _describe(exc: BaseException) -> str:
                 return line.strip()
     lines = [line for line in texts[0].strip().splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+def _explain(exc: BaseException, folder: str, state_dict: dict) -> str:
+    """``_describe``, or the disk space when the write failed for lack of it (the zip
+    writer in torch.save can turn ENOSPC into an unrelated-looking error)."""
+    reason = _describe(exc)
+    if any(r in reason for r in OS_REASONS):
+        return reason
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return reason
+    needed = _nbytes(state_dict)
+    if free < needed:
+        return (f"No space left on device: {free // 1024} KiB free in {folder}, "
+                f"this rank's state needs about {needed // 1024} KiB")
+    return reason
+
+
+def _nbytes(value) -> int:
+    if hasattr(value, "numel") and hasattr(value, "element_size"):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.numel() * local.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _agreed(reason: str, group, world_size: int) -> str:
+    """The same reason on every rank (the most telling one), so the error reads as one line."""
+    import torch.distributed as dist
+
+    reasons = [None] * world_size
+    try:
+        dist.all_gather_object(reasons, reason, group=group)
+    except Exception:  # a rank is gone: keep this rank's own reason
+        return reason
+    for candidate in reasons:
+        if candidate and any(r in candidate for r in OS_REASONS):
+            return candidate
+    return reasons[0] or reason
 
 
 def _broadcast(value, group, rank: int):
@@ -165,14 +209,16 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
     manifest = layout.Manifest(tag=tag, step=logger.step, world_size=spec.world_size,
                                strategy=strategy or _strategy(engine), created=time.time())
     writer = FileSystemWriter(tmp, thread_count=1)
+    state_dict: dict = {}
     try:
         state_dict = state.state_dict()
         if not async_:
             dcp_save(state_dict, storage_writer=writer, process_group=group)
     except _FAILURES as exc:
+        reason = _agreed(_explain(exc, tmp, state_dict), group, spec.world_size)
         _unmark_writer(tmp)
         _abandon(tmp, spec.rank)
-        raise CheckpointError(f"checkpoint {tag!r} was not saved: {_describe(exc)}") from None
+        raise CheckpointError(f"checkpoint {tag!r} was not saved: {reason}") from None
     final = os.path.join(folder, tag)
     if not async_:
         if spec.rank != 0:  # rank 0's mark goes with the commit, so the folder is never seen as abandoned
@@ -197,8 +243,9 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
                 raise CheckpointError(error)
             done.set_result(tag)
         except BaseException as exc:  # noqa: BLE001 - kept for the next call or cell
+            reason = _explain(exc, tmp, state_dict)
             _abandon(tmp, spec.rank)
-            done.set_exception(exc)
+            done.set_exception(CheckpointError(reason))
 
     upload.add_done_callback(finish)
     SAVES.pending, SAVES.pending_tag = done, tag

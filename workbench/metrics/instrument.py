@@ -74,7 +74,9 @@ def _wrap_fsdp_comms(model, clock: CommClock) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-    class TimedAllGather(AllGather):
+    class Timed:
+        """Delegates to FSDP's own comm object, timing each call."""
+
         def __init__(self, inner):
             self.inner = inner
 
@@ -84,15 +86,11 @@ def _wrap_fsdp_comms(model, clock: CommClock) -> None:
         def __call__(self, *args, **kwargs):
             return clock.timed(self.inner, *args, **kwargs)
 
-    class TimedReduceScatter(ReduceScatter):
-        def __init__(self, inner):
-            self.inner = inner
+    class TimedAllGather(Timed, AllGather):
+        pass
 
-        def allocate(self, *args, **kwargs):
-            return self.inner.allocate(*args, **kwargs)
-
-        def __call__(self, *args, **kwargs):
-            return clock.timed(self.inner, *args, **kwargs)
+    class TimedReduceScatter(Timed, ReduceScatter):
+        pass
 
     for module in model.modules():
         if not isinstance(module, FSDPModule):
