@@ -163,6 +163,21 @@ def test_checkpoint_magic(kernel):
     assert "no checkpoint named 'magic-1'" in _usage_error(kernel, "%checkpoint rm magic-1")
 
 
+def test_fleet_scale_replays_setup_cells(kernel):
+    setup = ("%%distributed --setup\nimport torch\nmodel = torch.nn.Linear(4, 6)\n"
+             "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+             "model, optimizer = accelerator.prepare(model, optimizer)")
+    assert kernel.execute(setup)[0]["status"] == "ok"
+    reply, messages = kernel.execute("%fleet scale 3")
+    assert reply["status"] == "ok", kernel.text(messages)
+    assert "scale 2→3: done" in kernel.text(messages) and "restored model, optimizer" in kernel.text(messages)
+    reply, messages = kernel.execute("%%distributed\n(world_size, type(model).__name__)")
+    assert "(3, 'DistributedDataParallel')" in kernel.text(messages)
+    assert "already has 3 ranks" in _usage_error(kernel, "%fleet scale 3")
+    reply, messages = kernel.execute("%fleet scale 2")
+    assert reply["status"] == "ok" and "scale 3→2: done" in kernel.text(messages)
+
+
 def test_failing_cell_raises_in_the_kernel_once_per_traceback(kernel):
     reply, messages = kernel.execute(
         "%%distributed\nimport torch.distributed as dist\n"

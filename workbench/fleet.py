@@ -88,6 +88,7 @@ class Fleet:
         self.run_dir: str | None = None
         self.metrics: FleetMetrics | None = None
         self.checkpoints = Checkpoints(self)
+        self.setup_cells: list[tuple[str, CellOptions]] = []  # replayed after scale / recovery
         self.members: list[Member] = []
         self.generation = 0
         self.runtime_dir: str | None = None
@@ -311,9 +312,7 @@ class Fleet:
             except Exception:
                 pass
         self.members = [m for m in self.members if m.engine_id not in gone]
-        sets = {self._launch(m.slot): m.slot for m in dead}
-        self._wait_for_engines(sets, ProgressLine(False), time.monotonic())
-        self._map_members(sets)
+        self._add_engines([m.slot for m in dead])
 
     # ------------------------------------------------------------------ process group
     def rendezvous(self) -> None:
@@ -369,14 +368,55 @@ class Fleet:
         timeout: float | None = None,
         return_value: bool = False,
         show_output: bool = True,
+        setup: bool = False,
     ) -> "execution.CellResult":
-        """Run ``code`` as a cell on ``ranks``: the engine of ``%%distributed``."""
+        """Run ``code`` as a cell on ``ranks``: the engine of ``%%distributed``.
+
+        ``setup``: record the cell (once it ran on every rank without error) to be
+        replayed on every rank after :meth:`scale` or a recovery.
+        """
         targets = self._targets(ranks)
         options.validate(self.device_type)
+        if setup and ranks is not None and len(targets) != self.world_size:
+            raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
         self._cells += 1
         name = f"distributed-cell-{self._cells}"
         args = (code, options.to_dict(), name, return_value, not return_value)
-        return execution.run_on_ranks(self, targets, engine.run_cell, args, timeout=timeout, show_output=show_output)
+        result = execution.run_on_ranks(self, targets, engine.run_cell, args, timeout=timeout, show_output=show_output)
+        if setup:
+            self.setup_cells = [c for c in self.setup_cells if c[0] != code] + [(code, options)]
+        return result
+
+    def scale(self, n: int) -> dict:
+        """Resize to ``n`` ranks mid-session: checkpoint, new process group, setup replay,
+        resharded restore (see :mod:`workbench.elastic`). Returns each phase's seconds."""
+        from .elastic import scale
+
+        return scale(self, n)
+
+    def _add_engines(self, slots: list[EngineSlot]) -> None:
+        sets = {self._launch(slot): slot for slot in slots}
+        self._wait_for_engines(sets, ProgressLine(False), time.monotonic())
+        self._map_members(sets)
+
+    def _remove_ranks(self, ranks: list[int]) -> None:
+        """Stop the engines of ``ranks`` for good (scale down)."""
+        doomed = [self.member(r) for r in ranks]
+        for member in doomed:
+            try:
+                self.client.shutdown(targets=[member.engine_id], block=True)
+            except Exception:
+                pass
+            try:
+                self._cluster.stop_engines_sync(member.engine_set)
+            except Exception:
+                pass
+        gone = {m.engine_id for m in doomed}
+        self.members = [m for m in self.members if m.engine_id not in gone]
+        for rank, member in enumerate(self.members):
+            member.rank = rank
+        psutil.wait_procs(_process_trees([m.pid for m in doomed]), timeout=5)
+        self._record_pids()
 
     def run(
         self,

@@ -92,6 +92,8 @@ def _fleet_parser() -> _Parser:
                        help="seconds after which a blocked collective fails")
     start.add_argument("--no-wandb", action="store_true", help="do not log this run to wandb")
     sub.add_parser("status", prog="%fleet status", add_help=False)
+    scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
+    scale.add_argument("n", type=_count, help="the new number of ranks")
     sub.add_parser("stop", prog="%fleet stop", add_help=False)
     pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
     pull.add_argument("name")
@@ -108,6 +110,7 @@ def _distributed_parser() -> _Parser:
     parser.add_argument("--grad-accum", type=_count, default=1, help="gradient accumulation steps")
     parser.add_argument("--ranks", type=_rank_list, default=None, help="run on these ranks only, e.g. 0,1")
     parser.add_argument("--timeout", type=_positive_float, default=None, help="stop the cell after S seconds")
+    parser.add_argument("--setup", action="store_true", help="record the cell; replayed after %%fleet scale")
     return parser
 
 
@@ -162,6 +165,10 @@ class WorkbenchMagics(Magics):
             The run's files go to ./workbench-runs/<run-id>/ (metrics.jsonl, wandb/).
         %fleet status
             Table of rank, engine id, pid, host, device, state and memory.
+        %fleet scale N
+            Resize to N ranks, keeping training state: checkpoint, new process
+            group, replay of the %%distributed --setup cells on every rank,
+            resharded restore. Re-run the training cell to go on from workbench.step.
         %fleet pull NAME [--rank R]
             Copy NAME from a rank's namespace into the kernel (tensors to CPU).
         %fleet push NAME=EXPR [NAME=EXPR ...]
@@ -172,7 +179,7 @@ class WorkbenchMagics(Magics):
         global _current
         args = _fleet_parser().parse_args(shlex.split(line))
         if args.command is None:
-            raise UsageError("%fleet needs a command: start, status, pull, push or stop (see %fleet?)")
+            raise UsageError("%fleet needs a command: start, status, scale, pull, push or stop (see %fleet?)")
         if args.command == "start":
             if current_fleet() is not None:
                 raise UsageError(
@@ -194,6 +201,8 @@ class WorkbenchMagics(Magics):
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         if args.command == "status":
             print(_status_table(fleet.status()))
+        elif args.command == "scale":
+            fleet.scale(args.n)
         elif args.command == "pull":
             return fleet.pull(args.name, rank=args.rank)
         elif args.command == "push":
@@ -218,7 +227,7 @@ class WorkbenchMagics(Magics):
         """Run the cell on every rank of the fleet.
 
         %%distributed [--strategy ddp|fsdp|none] [--mixed-precision no|fp16|bf16]
-                      [--grad-accum K] [--ranks 0,1] [--timeout S]
+                      [--grad-accum K] [--ranks 0,1] [--timeout S] [--setup]
 
         Each rank keeps its own namespace across cells. Defined in every cell:
         accelerator (an accelerate.Accelerator built from the flags; FSDP is
@@ -226,13 +235,15 @@ class WorkbenchMagics(Magics):
         Output streams live per rank; an exception on any rank stops all ranks,
         shows each distinct traceback once, and leaves the fleet usable.
         The last expression's value on the first rank is shown as the result.
+        --setup records the cell (model, optimizer, data): %fleet scale replays
+        the recorded setup cells on every rank before restoring the state.
         """
         args = _distributed_parser().parse_args(shlex.split(line))
         fleet = current_fleet()
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         options = CellOptions(args.strategy, args.mixed_precision, args.grad_accum)
-        result = fleet.execute(cell, options, ranks=args.ranks, timeout=args.timeout)
+        result = fleet.execute(cell, options, ranks=args.ranks, timeout=args.timeout, setup=args.setup)
         bundle = result.display(result.ranks[0])
         return _RankValue(bundle) if bundle else None
 

@@ -1,0 +1,86 @@
+"""Rescaling a real fleet mid-session: 2 -> 3 -> 2 keeps model and optimizer state exactly."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import fleet_processes, wait_until_gone
+
+from workbench import Fleet, OptionsError
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, optimizer = accelerator.prepare(model, optimizer)
+"""
+TRAIN = """
+g = torch.Generator().manual_seed(1000 * world_size + rank + workbench.step)
+for _ in range(4):
+    loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+    workbench.log(loss=loss.item())
+"""
+SNAPSHOT = """
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+({n: _full(p) for n, p in model.named_parameters()},
+ [_full(optimizer.optimizer.state[p]["exp_avg"]) for p in model.parameters()], workbench.step, world_size)
+"""
+
+
+def _equal(a, b):
+    assert a[0].keys() == b[0].keys()
+    assert all((a[0][k] == b[0][k]).all() for k in a[0])
+    assert all((x == y).all() for x, y in zip(a[1], b[1], strict=True))
+    assert a[2] == b[2]
+
+
+@pytest.fixture(scope="module")
+def elastic():
+    with Fleet(n=2, progress=False, wandb=False) as f:
+        yield f
+
+
+def test_scale_up_and_down_keeps_state_exactly(elastic):
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+    fleet.run(TRAIN, strategy="fsdp", show_output=False)
+    before = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
+    pids_before = {m.pid for m in fleet.members}
+    result = fleet.scale(3)
+    assert fleet.world_size == 3 and set(result["timings"]) == {
+        "checkpoint", "teardown", "engines", "rendezvous", "setup", "restore"}
+    assert {"model", "optimizer"} <= set(result["restored"])
+    after = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)
+    for got in after:
+        _equal(before, got)
+    assert [a[3] for a in after] == [3, 3, 3]
+    assert fleet.run("tuple(model[0].weight.to_local().shape)", strategy="fsdp", show_output=False) == [
+        (22, 16), (22, 16), (20, 16)]  # torch.chunk sizes
+    fleet.run(TRAIN, strategy="fsdp", show_output=False)  # training goes on at 3 ranks from workbench.step
+    assert fleet.run("workbench.step", strategy="fsdp", show_output=False) == [before[2] + 4] * 3
+    at_three = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
+    removed = fleet.member(2).pid
+    fleet.scale(2)
+    assert fleet.world_size == 2
+    assert not wait_until_gone([removed], timeout=10), "the removed engine is gone"
+    for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
+        _equal(at_three, got)
+    assert pids_before <= {m.pid for m in fleet.members} | pids_before
+    assert removed not in {p.pid for p in fleet_processes()}
+
+
+def test_bad_scale_requests(elastic):
+    with pytest.raises(OptionsError, match="already has 2 ranks"):
+        elastic.scale(2)
+    with pytest.raises(OptionsError, match="whole number of ranks"):
+        elastic.scale(0)
+    with pytest.raises(OptionsError, match="--setup cell runs on every rank"):
+        elastic.execute("x = 1", fleet_options("ddp"), ranks=[0], setup=True)
+
+
+def fleet_options(strategy):
+    from workbench import CellOptions
+
+    return CellOptions(strategy=strategy)
