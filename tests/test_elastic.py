@@ -84,3 +84,44 @@ def fleet_options(strategy):
     from workbench import CellOptions
 
     return CellOptions(strategy=strategy)
+
+
+def test_a_killed_engine_is_recovered_from_the_last_checkpoint(elastic):
+    import os
+    import signal
+    import threading
+    import time
+
+    from workbench import DistributedCellError
+
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+    fleet.run(TRAIN, strategy="fsdp", show_output=False)
+    tag = fleet.checkpoints.save(tag="before-crash")
+    saved = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
+    victim = fleet.member(1).pid
+    outcome = {}
+
+    def train():
+        try:
+            fleet.run("import time\nfor _ in range(200):\n" + TRAIN.replace("\n", "\n    ") + "\n    time.sleep(0.05)",
+                      strategy="fsdp", show_output=False)
+        except DistributedCellError as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    time.sleep(2)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    worker.join(60)
+    assert not worker.is_alive(), "the surviving rank was released"
+    assert time.monotonic() - killed_at < 30
+    report = outcome["error"].report()
+    assert "died and was replaced" in report and "%fleet recover" in report
+    result = fleet.recover()
+    assert result["checkpoint"] == tag and {"model", "optimizer"} <= set(result["restored"])
+    for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
+        _equal(saved, got)
+    fleet.run(TRAIN, strategy="fsdp", show_output=False)  # training runs again
+    assert victim not in {m.pid for m in fleet.members}

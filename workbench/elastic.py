@@ -33,6 +33,53 @@ def new_slots(fleet, count: int) -> list[EngineSlot]:
     return [EngineSlot(first + i, free[i]) for i in range(count)]
 
 
+class _Phases:
+    """Shows ``what: phase…  done-phase 1.2s …`` while phases run, and keeps their seconds."""
+
+    def __init__(self, fleet, what: str) -> None:
+        self.progress = ProgressLine(fleet.progress)
+        self.what = what
+        self.timings: dict[str, float] = {}
+
+    def run(self, name: str, text: str, fn, *args, **kwargs):
+        done = "  ".join(f"{k} {v:.1f}s" for k, v in self.timings.items())
+        self.progress.show(f"{self.what}: {text}…  {done}")
+        started = time.monotonic()
+        value = fn(*args, **kwargs)
+        self.timings[name] = time.monotonic() - started
+        return value
+
+    def done(self, tail: str) -> None:
+        total = sum(self.timings.values())
+        steps = ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items())
+        self.progress.show(f"{self.what}: done in {total:.1f} s ({steps}); {tail}")
+
+
+def _replay_and_restore(fleet, phases: _Phases, tag: str) -> dict:
+    def replay():
+        for code, options in fleet.setup_cells:
+            fleet.execute(code, options, show_output=False)
+
+    phases.run("setup", f"replaying {len(fleet.setup_cells)} setup cell(s)", replay)
+    return phases.run("restore", "restoring (resharded)", fleet.checkpoints.restore, tag)
+
+
+def recover(fleet) -> dict:
+    """After an engine died: replace it, rebuild the process group, replay the setup
+    cells on every rank and restore the latest complete checkpoint."""
+    fleet._targets(None)
+    phases = _Phases(fleet, "recover")
+    dead = fleet.dead_ranks(settle_s=0.5)
+    if dead:
+        phases.run("engines", f"replacing rank {','.join(map(str, dead))}", fleet.replace, dead)
+    phases.run("teardown", "process group teardown", fleet.client[fleet.engine_ids()].apply_sync, rendezvous.leave)
+    phases.run("rendezvous", "rendezvous", fleet.rendezvous)
+    report = _replay_and_restore(fleet, phases, "latest")
+    phases.done(f"restored {', '.join(report['restored']) or 'nothing'} from {report['tag']!r} at step {report['step']}")
+    return {"timings": phases.timings, "replaced": dead, "checkpoint": report["tag"], "step": report["step"],
+            "restored": report["restored"]}
+
+
 def scale(fleet, n: int) -> dict:
     """Resize ``fleet`` to ``n`` ranks, keeping training state; returns the phases' seconds."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -41,41 +88,15 @@ def scale(fleet, n: int) -> dict:
     old = fleet.world_size
     if n == old:
         raise OptionsError(f"the fleet already has {n} ranks")
-    progress = ProgressLine(fleet.progress)
-    timings: dict[str, float] = {}
-
-    def phase(name: str, text: str):
-        progress.show(f"scale {old}→{n}: {text}…  " + "  ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
-        return name, time.monotonic()
-
-    name, t = phase("checkpoint", "checkpoint")
-    tag = fleet.checkpoints.save(tag=f"rescale-{fleet.generation}-{old}to{n}")
-    timings[name] = time.monotonic() - t
-
-    name, t = phase("teardown", "process group teardown")
-    fleet.client[fleet.engine_ids()].apply_sync(rendezvous.leave)
-    timings[name] = time.monotonic() - t
-
-    name, t = phase("engines", "adding engines" if n > old else "removing engines")
+    phases = _Phases(fleet, f"scale {old}→{n}")
+    tag = phases.run("checkpoint", "checkpoint", fleet.checkpoints.save, tag=f"rescale-{fleet.generation}-{old}to{n}")
+    phases.run("teardown", "process group teardown", fleet.client[fleet.engine_ids()].apply_sync, rendezvous.leave)
     if n > old:
-        fleet._add_engines(new_slots(fleet, n - old))
+        phases.run("engines", "adding engines", fleet._add_engines, new_slots(fleet, n - old))
     else:
-        fleet._remove_ranks(list(range(n, old)))
-    timings[name] = time.monotonic() - t
-
-    name, t = phase("rendezvous", "rendezvous")
-    fleet.rendezvous()
-    timings[name] = time.monotonic() - t
-
-    name, t = phase("setup", f"replaying {len(fleet.setup_cells)} setup cell(s)")
-    for code, options in fleet.setup_cells:
-        fleet.execute(code, options, show_output=False)
-    timings[name] = time.monotonic() - t
-
-    name, t = phase("restore", "restoring (resharded)")
-    report = fleet.checkpoints.restore(tag)
-    timings[name] = time.monotonic() - t
-    total = sum(timings.values())
-    progress.show(f"scale {old}→{n}: done in {total:.1f} s (" + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items())
-                  + f"); restored {', '.join(report['restored']) or 'nothing'} at step {report['step']}")
+        phases.run("engines", "removing engines", fleet._remove_ranks, list(range(n, old)))
+    phases.run("rendezvous", "rendezvous", fleet.rendezvous)
+    report = _replay_and_restore(fleet, phases, tag)
+    phases.done(f"restored {', '.join(report['restored']) or 'nothing'} at step {report['step']}")
+    timings = phases.timings
     return {"timings": timings, "checkpoint": tag, "restored": report["restored"], "step": report["step"]}

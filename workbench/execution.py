@@ -276,7 +276,7 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> list[str]:
              "group: run the cell that calls accelerator.prepare again"]
     if dead:
         notes.append(f"the engine of rank {_ranks(dead)} died and was replaced by a fresh one with an empty "
-                     "namespace: run your setup cells again (then %checkpoint restore to go on from the last checkpoint)")
+                     "namespace: %fleet recover replays the --setup cells and restores the latest checkpoint")
     if killed:
         notes.append("a rank that did not stop was restarted with an empty namespace: run your setup cells again")
     return notes

@@ -394,6 +394,13 @@ class Fleet:
 
         return scale(self, n)
 
+    def recover(self) -> dict:
+        """After an engine died: replace it, rebuild the group, replay the setup cells,
+        restore the latest complete checkpoint (see :mod:`workbench.elastic`)."""
+        from .elastic import recover
+
+        return recover(self)
+
     def _add_engines(self, slots: list[EngineSlot]) -> None:
         sets = {self._launch(slot): slot for slot in slots}
         self._wait_for_engines(sets, ProgressLine(False), time.monotonic())

@@ -94,6 +94,7 @@ def _fleet_parser() -> _Parser:
     sub.add_parser("status", prog="%fleet status", add_help=False)
     scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
     scale.add_argument("n", type=_count, help="the new number of ranks")
+    sub.add_parser("recover", prog="%fleet recover", add_help=False)
     sub.add_parser("stop", prog="%fleet stop", add_help=False)
     pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
     pull.add_argument("name")
@@ -169,6 +170,9 @@ class WorkbenchMagics(Magics):
             Resize to N ranks, keeping training state: checkpoint, new process
             group, replay of the %%distributed --setup cells on every rank,
             resharded restore. Re-run the training cell to go on from workbench.step.
+        %fleet recover
+            After an engine died: replace it, rebuild the process group, replay the
+            --setup cells and restore the latest complete checkpoint.
         %fleet pull NAME [--rank R]
             Copy NAME from a rank's namespace into the kernel (tensors to CPU).
         %fleet push NAME=EXPR [NAME=EXPR ...]
@@ -179,7 +183,7 @@ class WorkbenchMagics(Magics):
         global _current
         args = _fleet_parser().parse_args(shlex.split(line))
         if args.command is None:
-            raise UsageError("%fleet needs a command: start, status, scale, pull, push or stop (see %fleet?)")
+            raise UsageError("%fleet needs a command: start, status, scale, recover, pull, push or stop (see %fleet?)")
         if args.command == "start":
             if current_fleet() is not None:
                 raise UsageError(
@@ -203,6 +207,8 @@ class WorkbenchMagics(Magics):
             print(_status_table(fleet.status()))
         elif args.command == "scale":
             fleet.scale(args.n)
+        elif args.command == "recover":
+            fleet.recover()
         elif args.command == "pull":
             return fleet.pull(args.name, rank=args.rank)
         elif args.command == "push":
