@@ -118,10 +118,60 @@ def test_a_killed_engine_is_recovered_from_the_last_checkpoint(elastic):
     assert not worker.is_alive(), "the surviving rank was released"
     assert time.monotonic() - killed_at < 30
     report = outcome["error"].report()
-    assert "died and was replaced" in report and "%fleet recover" in report
+    assert "the engine of rank 1 (engine " in report and f"pid {victim}) died" in report, report
+    assert "OOM killer" in report and "%fleet recover" in report
     result = fleet.recover()
     assert result["checkpoint"] == tag and {"model", "optimizer"} <= set(result["restored"])
     for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
         _equal(saved, got)
     fleet.run(TRAIN, strategy="fsdp", show_output=False)  # training runs again
     assert victim not in {m.pid for m in fleet.members}
+
+
+LOOP = """
+import time
+while workbench.step < {target}:
+    g = torch.Generator().manual_seed(workbench.step * 10 + rank)  # the data of a step depends on the step only
+    loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+    workbench.log(loss=loss.item())
+    if {save}:
+        workbench.checkpoint.maybe_save(every=5, async_=False)
+    time.sleep(0.05)
+loss.item()
+"""
+
+
+def test_auto_recover_reruns_the_cell_and_reaches_the_uninterrupted_result(elastic):
+    import os
+    import signal
+    import threading
+    import time
+
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+    start = fleet.checkpoints.save(tag="auto-start")
+    target = fleet.run("workbench.step", strategy="fsdp", show_output=False)[0] + 40
+    reference_loss = fleet.run(LOOP.format(target=target, save=False), strategy="fsdp", show_output=False)
+    reference = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
+    fleet.checkpoints.restore(start)
+    fleet.auto_recover, fleet.max_restarts, fleet.restarts = True, 1, 0
+    outcome = {}
+
+    def train():
+        outcome["loss"] = fleet.run(LOOP.format(target=target, save=True), strategy="fsdp", show_output=False)
+
+    try:
+        worker = threading.Thread(target=train)
+        worker.start()
+        time.sleep(2.5)  # past a checkpoint or two
+        os.kill(fleet.member(1).pid, signal.SIGKILL)
+        worker.join(120)
+        assert not worker.is_alive()
+    finally:
+        fleet.auto_recover = False
+    assert fleet.restarts == 1, "recovered once, then the cell ran again to the end"
+    assert outcome["loss"] == pytest.approx(reference_loss, rel=1e-5)
+    for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
+        assert got[2] == target
+        assert all(((got[0][k] - reference[0][k]).abs().max() < 1e-5) for k in reference[0])

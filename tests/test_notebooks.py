@@ -51,3 +51,9 @@ def test_notebook_runs_headless(path, tmp_path):
         assert "on 3 ranks, resharded from 2 ranks: model, optimizer, scheduler, rng" in text
         assert "[rank 2] rank 2/3: shard (42, 32) of (128, 32), step 150" in text
         assert "task C (new data) loss" in text and "at step 250" in text
+    if path.name == "04_elastic.ipynb":
+        assert "[rank 1] 2 ranks, at step 60" in text
+        assert "scale 2→3: done" in text and "[rank 2] 3 ranks, shard (42, 32), at step 120" in text
+        assert "auto-recover 1/3: the engine of rank 1 died" in text
+        assert "restored model, optimizer, rng from 'step-120' at step 120" in text
+        assert "[rank 1] 3 ranks, at step 180" in text

@@ -61,6 +61,8 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str) -> dict:
             fleet.execute(code, options, show_output=False)
 
     phases.run("setup", f"replaying {len(fleet.setup_cells)} setup cell(s)", replay)
+    if tag == "latest" and not [e for e in fleet.checkpoints.list() if e.state == "complete"]:
+        return {"tag": None, "step": 0, "restored": []}  # nothing saved yet: start from the setup state
     return phases.run("restore", "restoring (resharded)", fleet.checkpoints.restore, tag)
 
 
@@ -75,7 +77,8 @@ def recover(fleet) -> dict:
     phases.run("teardown", "process group teardown", fleet.client[fleet.engine_ids()].apply_sync, rendezvous.leave)
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)
     report = _replay_and_restore(fleet, phases, "latest")
-    phases.done(f"restored {', '.join(report['restored']) or 'nothing'} from {report['tag']!r} at step {report['step']}")
+    phases.done(f"restored {', '.join(report['restored'])} from {report['tag']!r} at step {report['step']}"
+                if report["tag"] else "no checkpoint yet: the ranks start again from the setup cells")
     return {"timings": phases.timings, "replaced": dead, "checkpoint": report["tag"], "step": report["step"],
             "restored": report["restored"]}
 

@@ -52,9 +52,10 @@ class DistributedCellError(WorkbenchError):
 
     def __init__(
         self, failures: list[RankFailure], world: int, notes: list[str], interrupted: bool = False,
-        timed_out: float | None = None,
+        timed_out: float | None = None, dead: list[int] | None = None,
     ):
         self.failures = sorted(failures, key=lambda f: f.rank)
+        self.dead = dead or []  # ranks whose engine died (and was replaced) during the cell
         self.world = world
         self.notes = notes
         self.interrupted = interrupted
@@ -204,7 +205,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     for notice in sorted({n for reply in result.replies.values() for n in reply.get("notices", ())}):
         print(f"workbench: {notice}", file=sys.stderr)
 
-    notes = _repair(fleet, bool(failures) or interrupted or timed_out, released or killed, killed)
+    notes, dead = _repair(fleet, bool(failures) or interrupted or timed_out, released or killed, killed)
     if timed_out:
         notes.insert(0, f"the cell ran past --timeout {timeout:g} s and was stopped on every rank")
     if interrupted:
@@ -212,7 +213,8 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
         print(err.report())
         raise KeyboardInterrupt
     if failures:
-        raise DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None)
+        raise DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None,
+                                   dead=dead)
     return result
 
 
@@ -253,11 +255,15 @@ def _kill(fleet, pending: dict, failures: list[RankFailure], result: CellResult)
     fleet.replace(stuck)
 
 
-def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> list[str]:
-    """Rebuild the process group if the cell may have left it inconsistent."""
+def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> tuple[list[str], list[int]]:
+    """Rebuild the process group if the cell may have left it inconsistent.
+
+    Returns notes for the user and the ranks whose engine had died (now replaced).
+    """
     if not abnormal:
-        return []
+        return [], []
     dead = fleet.dead_ranks()
+    lost = [f"rank {r} (engine {fleet.member(r).engine_id}, pid {fleet.member(r).pid})" for r in dead]
     if dead:
         fleet.replace(dead)
         torn = True
@@ -265,18 +271,19 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> list[str]:
         checks = fleet.client[fleet.engine_ids()].apply_async(rendezvous.healthy, 3.0)
         try:
             if all(checks.get(timeout=10)):
-                return []
+                return [], []
         except Exception:
             pass
     try:
         fleet.rendezvous()
     except WorkbenchError as exc:
-        return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"]
+        return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"], dead
     notes = ["the process group was rebuilt; models and optimizers prepared before are bound to the old "
              "group: run the cell that calls accelerator.prepare again"]
     if dead:
-        notes.append(f"the engine of rank {_ranks(dead)} died and was replaced by a fresh one with an empty "
-                     "namespace: %fleet recover replays the --setup cells and restores the latest checkpoint")
+        notes.append(f"the engine of {', '.join(lost)} died: its process vanished without a Python error (killed by "
+                     "a signal such as SIGKILL or the OOM killer, or crashed). It was replaced by a fresh one with an "
+                     "empty namespace: %fleet recover replays the --setup cells and restores the latest checkpoint")
     if killed:
         notes.append("a rank that did not stop was restarted with an empty namespace: run your setup cells again")
-    return notes
+    return notes, dead

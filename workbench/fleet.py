@@ -69,6 +69,8 @@ class Fleet:
         progress: bool = True,
         runs_dir: str | None = None,
         wandb: bool | None = None,
+        auto_recover: bool = False,
+        max_restarts: int = 3,
     ) -> None:
         if isinstance(gpus, str):
             gpus = parse_gpu_list(gpus)
@@ -89,6 +91,11 @@ class Fleet:
         self.metrics: FleetMetrics | None = None
         self.checkpoints = Checkpoints(self)
         self.setup_cells: list[tuple[str, CellOptions]] = []  # replayed after scale / recovery
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise OptionsError(f"--max-restarts must be a whole number >= 0 (got {max_restarts!r})")
+        self.auto_recover = auto_recover
+        self.max_restarts = max_restarts
+        self.restarts = 0
         self.members: list[Member] = []
         self.generation = 0
         self.runtime_dir: str | None = None
@@ -286,7 +293,7 @@ class Fleet:
         while True:
             alive = set(self.client.ids)
             dead = [m.rank for m in self.members if m.engine_id not in alive]
-            gone = [m.rank for m in self.members if m.host == socket.gethostname() and not psutil.pid_exists(m.pid)]
+            gone = [m.rank for m in self.members if m.host == socket.gethostname() and not _alive(m.pid)]
             if set(gone) <= set(dead) or time.monotonic() > deadline:
                 return sorted(set(dead) | set(gone))
             time.sleep(0.05)
@@ -379,13 +386,40 @@ class Fleet:
         options.validate(self.device_type)
         if setup and ranks is not None and len(targets) != self.world_size:
             raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
+        self._recover_if_dead()
         self._cells += 1
         name = f"distributed-cell-{self._cells}"
         args = (code, options.to_dict(), name, return_value, not return_value)
-        result = execution.run_on_ranks(self, targets, engine.run_cell, args, timeout=timeout, show_output=show_output)
+        try:
+            result = execution.run_on_ranks(self, targets, engine.run_cell, args, timeout=timeout,
+                                            show_output=show_output)
+        except execution.DistributedCellError as exc:
+            if not (self.auto_recover and exc.dead and self.restarts < self.max_restarts):
+                raise
+            self.restarts += 1
+            print(f"workbench: auto-recover {self.restarts}/{self.max_restarts}: the engine of rank "
+                  f"{','.join(map(str, exc.dead))} died during the cell; recovering from the latest checkpoint and "
+                  "running the cell again", file=sys.stderr, flush=True)
+            self.recover()
+            return self.execute(code, options, ranks=ranks, timeout=timeout, return_value=return_value,
+                                show_output=show_output, setup=setup)
         if setup:
             self.setup_cells = [c for c in self.setup_cells if c[0] != code] + [(code, options)]
         return result
+
+    def _recover_if_dead(self) -> None:
+        """An engine that died between cells: recover (with --auto-recover) or say what to do."""
+        dead = self.dead_ranks(settle_s=0.0)
+        if not dead:
+            return
+        if self.auto_recover and self.restarts < self.max_restarts:
+            self.restarts += 1
+            print(f"workbench: auto-recover {self.restarts}/{self.max_restarts}: the engine of rank "
+                  f"{','.join(map(str, dead))} died; recovering from the latest checkpoint", file=sys.stderr, flush=True)
+            self.recover()
+            return
+        raise FleetError(f"the engine of rank {','.join(map(str, dead))} died; run %fleet recover (replaces it, "
+                         "replays the --setup cells, restores the latest checkpoint)")
 
     def scale(self, n: int) -> dict:
         """Resize to ``n`` ranks mid-session: checkpoint, new process group, setup replay,
@@ -499,6 +533,14 @@ class Fleet:
                 "device": m.device, "state": states[m.rank], "memory": memory,
             })
         return rows
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _process_trees(pids: list[int]) -> list[psutil.Process]:

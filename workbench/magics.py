@@ -91,6 +91,9 @@ def _fleet_parser() -> _Parser:
     start.add_argument("--pg-timeout", type=_positive_float, default=DEFAULT_PG_TIMEOUT_S,
                        help="seconds after which a blocked collective fails")
     start.add_argument("--no-wandb", action="store_true", help="do not log this run to wandb")
+    start.add_argument("--auto-recover", action="store_true",
+                       help="when an engine dies in a cell: recover and run the cell again")
+    start.add_argument("--max-restarts", type=_count, default=3, help="auto-recover budget (default 3)")
     sub.add_parser("status", prog="%fleet status", add_help=False)
     scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
     scale.add_argument("n", type=_count, help="the new number of ranks")
@@ -161,9 +164,13 @@ class WorkbenchMagics(Magics):
         """Manage the engine fleet: one ipyparallel engine per rank (per GPU).
 
         %fleet start [-n N] [--gpus 0,2] [--cpu] [--backend gloo|nccl|mpi] [--pg-timeout S] [--no-wandb]
+                     [--auto-recover [--max-restarts K]]
             Start N engines (default: one per visible GPU, or 2 CPU engines) and
             join them in a torch.distributed process group (gloo on CPU, nccl on GPU).
             The run's files go to ./workbench-runs/<run-id>/ (metrics.jsonl, wandb/).
+            --auto-recover: when an engine dies during a cell, replace it, replay the
+            --setup cells, restore the latest checkpoint and run the cell again
+            (at most K times, default 3).
         %fleet status
             Table of rank, engine id, pid, host, device, state and memory.
         %fleet scale N
@@ -191,7 +198,8 @@ class WorkbenchMagics(Magics):
                     "use it, or stop it first with %fleet stop"
                 )
             fleet = Fleet(n=args.n, gpus=args.gpus, cpu=args.cpu, backend=args.backend, pg_timeout=args.pg_timeout,
-                          wandb=False if args.no_wandb else None)
+                          wandb=False if args.no_wandb else None, auto_recover=args.auto_recover,
+                          max_restarts=args.max_restarts)
             _current = fleet.start()
             print(f"fleet: run {fleet.run_id} in {fleet.run_dir}")
             return None
