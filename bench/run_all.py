@@ -1,11 +1,12 @@
 """Run every benchmark and print its ratios: ``python bench/run_all.py``."""
 
 import bench_checkpoint
+import bench_elastic
 import bench_launch
 import bench_metrics
 import bench_roundtrip
 import bench_step_time
 
 if __name__ == "__main__":
-    for bench in (bench_roundtrip, bench_launch, bench_step_time, bench_metrics, bench_checkpoint):
+    for bench in (bench_roundtrip, bench_launch, bench_step_time, bench_metrics, bench_checkpoint, bench_elastic):
         bench.main()

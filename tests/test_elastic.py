@@ -151,7 +151,7 @@ def test_auto_recover_reruns_the_cell_and_reaches_the_uninterrupted_result(elast
     fleet = elastic
     fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
     start = fleet.checkpoints.save(tag="auto-start")
-    target = fleet.run("workbench.step", strategy="fsdp", show_output=False)[0] + 40
+    target = fleet.run("workbench.step", strategy="fsdp", show_output=False)[0] + 80
     reference_loss = fleet.run(LOOP.format(target=target, save=False), strategy="fsdp", show_output=False)
     reference = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
     fleet.checkpoints.restore(start)
@@ -164,7 +164,7 @@ def test_auto_recover_reruns_the_cell_and_reaches_the_uninterrupted_result(elast
     try:
         worker = threading.Thread(target=train)
         worker.start()
-        time.sleep(2.5)  # past a checkpoint or two
+        time.sleep(2.0)  # past a checkpoint or two, well before the end (80 steps take > 4 s)
         os.kill(fleet.member(1).pid, signal.SIGKILL)
         worker.join(120)
         assert not worker.is_alive()
@@ -175,3 +175,27 @@ def test_auto_recover_reruns_the_cell_and_reaches_the_uninterrupted_result(elast
     for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
         assert got[2] == target
         assert all(((got[0][k] - reference[0][k]).abs().max() < 1e-5) for k in reference[0])
+
+
+def test_recover_with_shrink_goes_on_without_the_lost_rank(elastic):
+    import os
+    import signal
+    import time
+
+    from workbench import FleetError
+
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+    fleet.run(TRAIN, strategy="fsdp", show_output=False)
+    fleet.checkpoints.save(tag="before-shrink")
+    saved = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
+    fleet.scale(3)
+    victim = fleet.member(2).pid
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.5)
+    with pytest.raises(FleetError, match="the engine of rank 2 died; run %fleet recover"):
+        fleet.run("1", show_output=False)
+    result = fleet.recover(shrink=True)
+    assert fleet.world_size == 2 and result["replaced"] == [2]
+    for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
+        _equal(saved, got)

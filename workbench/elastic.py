@@ -66,13 +66,22 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str) -> dict:
     return phases.run("restore", "restoring (resharded)", fleet.checkpoints.restore, tag)
 
 
-def recover(fleet) -> dict:
-    """After an engine died: replace it, rebuild the process group, replay the setup
-    cells on every rank and restore the latest complete checkpoint."""
+def recover(fleet, shrink: bool = False) -> dict:
+    """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
+    the process group, replay the setup cells on every rank and restore the latest
+    complete checkpoint (resharded)."""
     fleet._targets(None)
     phases = _Phases(fleet, "recover")
     dead = fleet.dead_ranks(settle_s=0.5)
-    if dead:
+    if shrink:
+        # the lost ranks: dead now, or already replaced by fresh engines after the failed cell
+        lost = sorted(set(dead) | set(fleet.fresh_ranks))
+        if len(lost) >= fleet.world_size:
+            raise OptionsError("no rank would be left: recover without --shrink")
+        if lost:
+            phases.run("engines", f"removing rank {','.join(map(str, lost))}", fleet._remove_ranks, lost)
+        dead = lost
+    elif dead:
         phases.run("engines", f"replacing rank {','.join(map(str, dead))}", fleet.replace, dead)
     phases.run("teardown", "process group teardown", fleet.client[fleet.engine_ids()].apply_sync, rendezvous.leave)
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)

@@ -96,6 +96,7 @@ class Fleet:
         self.auto_recover = auto_recover
         self.max_restarts = max_restarts
         self.restarts = 0
+        self.fresh_ranks: list[int] = []  # replaced after dying, not set up again yet
         self.members: list[Member] = []
         self.generation = 0
         self.runtime_dir: str | None = None
@@ -320,6 +321,7 @@ class Fleet:
                 pass
         self.members = [m for m in self.members if m.engine_id not in gone]
         self._add_engines([m.slot for m in dead])
+        self.fresh_ranks = sorted(set(self.fresh_ranks) | set(ranks))
 
     # ------------------------------------------------------------------ process group
     def rendezvous(self) -> None:
@@ -428,12 +430,14 @@ class Fleet:
 
         return scale(self, n)
 
-    def recover(self) -> dict:
-        """After an engine died: replace it, rebuild the group, replay the setup cells,
-        restore the latest complete checkpoint (see :mod:`workbench.elastic`)."""
+    def recover(self, shrink: bool = False) -> dict:
+        """After an engine died: replace it (``shrink``: go on without it), rebuild the
+        group, replay the setup cells, restore the latest checkpoint (:mod:`workbench.elastic`)."""
         from .elastic import recover
 
-        return recover(self)
+        result = recover(self, shrink=shrink)
+        self.fresh_ranks = []
+        return result
 
     def _add_engines(self, slots: list[EngineSlot]) -> None:
         sets = {self._launch(slot): slot for slot in slots}

@@ -97,7 +97,8 @@ def _fleet_parser() -> _Parser:
     sub.add_parser("status", prog="%fleet status", add_help=False)
     scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
     scale.add_argument("n", type=_count, help="the new number of ranks")
-    sub.add_parser("recover", prog="%fleet recover", add_help=False)
+    recover = sub.add_parser("recover", prog="%fleet recover", add_help=False)
+    recover.add_argument("--shrink", action="store_true", help="go on without the lost ranks")
     sub.add_parser("stop", prog="%fleet stop", add_help=False)
     pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
     pull.add_argument("name")
@@ -177,9 +178,10 @@ class WorkbenchMagics(Magics):
             Resize to N ranks, keeping training state: checkpoint, new process
             group, replay of the %%distributed --setup cells on every rank,
             resharded restore. Re-run the training cell to go on from workbench.step.
-        %fleet recover
-            After an engine died: replace it, rebuild the process group, replay the
-            --setup cells and restore the latest complete checkpoint.
+        %fleet recover [--shrink]
+            After an engine died: replace it (--shrink: go on without it), rebuild
+            the process group, replay the --setup cells and restore the latest
+            complete checkpoint (resharded).
         %fleet pull NAME [--rank R]
             Copy NAME from a rank's namespace into the kernel (tensors to CPU).
         %fleet push NAME=EXPR [NAME=EXPR ...]
@@ -216,7 +218,7 @@ class WorkbenchMagics(Magics):
         elif args.command == "scale":
             fleet.scale(args.n)
         elif args.command == "recover":
-            fleet.recover()
+            fleet.recover(shrink=args.shrink)
         elif args.command == "pull":
             return fleet.pull(args.name, rank=args.rank)
         elif args.command == "push":

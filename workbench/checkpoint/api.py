@@ -146,21 +146,6 @@ def _nbytes(value) -> int:
     return 0
 
 
-def _agreed(reason: str, group, world_size: int) -> str:
-    """The same reason on every rank (the most telling one), so the error reads as one line."""
-    import torch.distributed as dist
-
-    reasons = [None] * world_size
-    try:
-        dist.all_gather_object(reasons, reason, group=group)
-    except Exception:  # a rank is gone: keep this rank's own reason
-        return reason
-    for candidate in reasons:
-        if candidate and any(r in candidate for r in OS_REASONS):
-            return candidate
-    return reasons[0] or reason
-
-
 def _broadcast(value, group, rank: int):
     import torch.distributed as dist
 
@@ -215,7 +200,7 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
         if not async_:
             dcp_save(state_dict, storage_writer=writer, process_group=group)
     except _FAILURES as exc:
-        reason = _agreed(_explain(exc, tmp, state_dict), group, spec.world_size)
+        reason = _explain(exc, tmp, state_dict)  # before rank 0 removes the folder (and frees the space)
         _unmark_writer(tmp)
         _abandon(tmp, spec.rank)
         raise CheckpointError(f"checkpoint {tag!r} was not saved: {reason}") from None
