@@ -181,7 +181,8 @@ def _with_metrics(reply: dict) -> dict:
 
     LOGGER.cell_finished()
     reply["metrics"] = {"pid": os.getpid(), "seq": LOGGER.flush()}
-    reply["notices"] = take_errors()
+    errors = take_errors()  # every rank has the same failure (DCP is collective); rank 0 reports it once
+    reply["notices"] = errors if STATE.spec is not None and STATE.spec.rank == 0 else []
     return reply
 
 
