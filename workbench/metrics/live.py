@@ -110,7 +110,8 @@ class CellWatch:
         if len(self.metrics.store) <= self.first:
             return
         if self.live:
-            self.poll()
+            if not self.shown:
+                self.poll()  # shows it (records arrived after the last poll)
             self.metrics.dashboard().refresh(force=True)
         if self.show_output:
             print(self.metrics.summary(self.first))

@@ -84,11 +84,5 @@ class MetricsStore:
     def __len__(self) -> int:
         return len(self.records)
 
-    def scalar_names(self, records: list[Record]) -> list[str]:
-        names: dict[str, None] = {}
-        for record in records:
-            names.update(dict.fromkeys(record.scalars))
-        return list(names)
-
     def dropped(self) -> int:
         return sum(s.dropped + s.lost for s in self.streams.values())
