@@ -199,3 +199,114 @@ def test_recover_with_shrink_goes_on_without_the_lost_rank(elastic):
     assert fleet.world_size == 2 and result["replaced"] == [2]
     for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
         _equal(saved, got)
+
+
+def test_a_frozen_rank_is_caught_by_its_heartbeat_and_auto_recovered(elastic):
+    """SIGSTOP: the engine is alive (its process exists, ipyparallel still lists it) but
+    does nothing. Its heartbeat stops; the rank is killed and replaced, and the cell runs again."""
+    import os
+    import signal
+    import threading
+    import time
+
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+    target = fleet.run("workbench.step", strategy="fsdp", show_output=False)[0] + 80
+    frozen = fleet.member(1).pid
+    fleet.auto_recover, fleet.max_restarts, fleet.restarts, fleet.hang_timeout = True, 1, 0, 3.0
+    outcome = {}
+
+    def train():
+        outcome["loss"] = fleet.run(LOOP.format(target=target, save=True), strategy="fsdp", show_output=False)
+
+    try:
+        worker = threading.Thread(target=train)
+        worker.start()
+        time.sleep(2.0)
+        os.kill(frozen, signal.SIGSTOP)
+        worker.join(120)
+        assert not worker.is_alive()
+    finally:
+        fleet.auto_recover, fleet.hang_timeout = False, 300.0
+    assert fleet.restarts == 1 and "loss" in outcome
+    assert fleet.run("workbench.step", strategy="fsdp", show_output=False) == [target, target]
+    assert not wait_until_gone([frozen], timeout=10), "the frozen engine was killed"
+
+
+DEADLOCK = """
+import threading, time
+lock = threading.Lock()
+for i in range(40):
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+    workbench.log(loss=loss.item())
+    time.sleep(0.05)
+    if i == 10 and rank == 1:
+        lock.acquire()
+        lock.acquire()  # never returns
+"""
+
+
+def test_a_deadlocked_rank_is_reported_with_its_stack_and_the_fleet_stays_usable(elastic):
+    from workbench import DistributedCellError
+
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+    pids = [m.pid for m in fleet.members]
+    fleet.hang_timeout = 3.0
+    try:
+        with pytest.raises(DistributedCellError) as caught:
+            fleet.run(DEADLOCK, strategy="fsdp", show_output=False)
+    finally:
+        fleet.hang_timeout = 300.0
+    error = caught.value
+    report = error.report()
+    assert 1 in error.hung and "rank 1 hung: no progress" in report, report
+    assert "lock.acquire()  # never returns" in report, "the stack shows where rank 1 is stuck"
+    assert [m.pid for m in fleet.members] == pids, "SIGINT stopped the deadlock: no engine was replaced"
+    assert fleet.run("rank", show_output=False) == [0, 1]
+
+
+def test_a_cell_without_progress_is_not_judged_hung(elastic):
+    fleet = elastic
+    fleet.hang_timeout = 1.0
+    try:
+        assert fleet.run("import time; time.sleep(3); rank", show_output=False) == [0, 1]
+    finally:
+        fleet.hang_timeout = 300.0
+
+
+def _ready_spare(fleet, timeout=60.0) -> int:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not fleet.spare_status()["ready"]:
+        assert time.monotonic() < deadline, "a spare engine registered"
+        time.sleep(0.2)
+    return fleet.spare_status()["ready"][0]["pid"]
+
+
+def test_warm_spares_take_new_and_lost_ranks():
+    import os
+    import signal
+
+    with Fleet(n=2, spares=1, progress=False, wandb=False) as fleet:
+        spare = _ready_spare(fleet)
+        fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+        fleet.run(TRAIN, strategy="fsdp", show_output=False)
+        before = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
+        fleet.scale(3)
+        assert fleet.member(2).pid == spare and spare not in [s["pid"] for s in fleet.spare_status()["ready"]]
+        for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
+            _equal(before, got)
+        second = _ready_spare(fleet)  # started in the background to replace the one taken
+        assert second not in {m.pid for m in fleet.members}
+        lost = fleet.member(1).pid
+        os.kill(lost, signal.SIGKILL)
+        assert not wait_until_gone([lost])
+        result = fleet.recover()
+        assert result["replaced"] == [1] and fleet.member(1).pid == second
+        for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
+            _equal(before, got)
+        pids = [m.pid for m in fleet.members] + [s["pid"] for s in fleet.spare_status()["ready"]]
+    assert not wait_until_gone(pids, timeout=10), "ranks and spares are gone after stop"

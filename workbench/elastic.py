@@ -18,8 +18,9 @@ from .output import ProgressLine
 
 
 def new_slots(fleet, count: int) -> list[EngineSlot]:
-    """Slots for ``count`` more engines: the next slot numbers, and GPUs not in use."""
-    used = [m.slot for m in fleet.members]
+    """Slots for ``count`` more engines: the next slot numbers, and GPUs not in use
+    (by a rank, a spare, or a spare still starting)."""
+    used = [m.slot for m in fleet.members + fleet.spares] + list(fleet._pending_spares.values())
     first = max(s.slot for s in used) + 1 if used else 0
     if fleet.device_type == "cpu":
         return [EngineSlot(first + i) for i in range(count)]

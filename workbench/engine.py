@@ -180,7 +180,7 @@ def _with_metrics(reply: dict) -> dict:
     from .checkpoint.api import take_errors
 
     LOGGER.cell_finished()
-    reply["metrics"] = {"pid": os.getpid(), "seq": LOGGER.flush()}
+    reply["metrics"] = {"pid": os.getpid(), "seq": LOGGER.flush(), "cell": LOGGER.cells}
     errors = take_errors()  # every rank has the same failure (DCP is collective); rank 0 reports it once
     reply["notices"] = errors if STATE.spec is not None and STATE.spec.rank == 0 else []
     return reply
@@ -194,6 +194,16 @@ def call(fn, args: tuple, kwargs: dict) -> dict:
     except BaseException as exc:  # noqa: BLE001
         return _failure(exc, skip_frames=1)
     return {"ok": True, "value": to_cpu(value), "display": None}
+
+
+def warm() -> None:
+    """A spare engine: import what a rank needs now, so that taking a rank is quick."""
+    import accelerate  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    from . import checkpoint, strategies  # noqa: F401
 
 
 def attach(metrics_address: str, run_dir: str) -> None:

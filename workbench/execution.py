@@ -5,7 +5,9 @@ rank fails, the others are stopped: peers blocked in a gloo collective are
 released by destroying the process group on the ranks that are already idle,
 running ranks get SIGINT, and a rank that still does not stop is killed and
 replaced. An interrupt (Ctrl-C, Jupyter's stop button) or ``--timeout`` walks
-the same ladder starting with SIGINT. Afterwards the process group is checked
+the same ladder starting with SIGINT; so does a hung rank (no heartbeat, or no
+progress, for the fleet's ``hang_timeout``: :mod:`workbench.watchdog`), which
+is killed and replaced if SIGINT does not stop it. Afterwards the process group is checked
 and rebuilt if it may be inconsistent, so the next cell works.
 """
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from . import rendezvous
 from .errors import WorkbenchError
 from .output import RankOutput
+from .watchdog import HangWatch
 
 POLL_S = 0.1  # streaming refresh and timeout granularity; results wake us at once
 FAILURE_GRACE_S = 0.2  # let ranks failing with the same error report together
@@ -52,10 +55,12 @@ class DistributedCellError(WorkbenchError):
 
     def __init__(
         self, failures: list[RankFailure], world: int, notes: list[str], interrupted: bool = False,
-        timed_out: float | None = None, dead: list[int] | None = None,
+        timed_out: float | None = None, dead: list[int] | None = None, hung: list[int] | None = None,
     ):
         self.failures = sorted(failures, key=lambda f: f.rank)
         self.dead = dead or []  # ranks whose engine died (and was replaced) during the cell
+        self.hung = hung or []  # ranks that hung (stopped, or killed and replaced)
+        self.failed_at: float | None = None  # time.time() when the kernel saw the first rank fail
         self.world = world
         self.notes = notes
         self.interrupted = interrupted
@@ -113,6 +118,8 @@ class _Stopper:
         self.at = now
         if reason == "failure":
             self.steps = [(FAILURE_GRACE_S, "release"), (FAILURE_GRACE_S, "sigint"), (3.5, "kill")]
+        elif reason == "hang":  # a frozen rank ignores SIGINT: killing it releases its peers
+            self.steps = [(0.0, "sigint"), (1.0, "release"), (2.0, "kill-hung"), (6.0, "kill")]
         else:  # interrupt or timeout
             self.steps = [(0.0, "sigint"), (1.0, "release"), (5.0, "kill")]
         self.done: list[str] = []
@@ -146,10 +153,13 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     submitted = dict(pending)  # pending loses ranks as they finish; their output stays
     output = RankOutput(ranks) if show_output else None
     watch = fleet.metrics.watch(show_output)
+    hang_watch = HangWatch(fleet, ranks, fleet.hang_timeout)
+    hangs = []
     shown_outputs = 0
     result = CellResult(ranks)
     failures: list[RankFailure] = []
     stopper: _Stopper | None = None
+    failed_at = None
     released = killed = False
     interrupted = timed_out = False
 
@@ -184,16 +194,25 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                     failures.append(RankFailure(rank, reply["ename"], reply["evalue"], reply["traceback"], late))
                     if stopper is None:
                         stopper = _Stopper("failure", now)
+                        failed_at = time.time()
             if timeout is not None and stopper is None and now - started > timeout:
                 timed_out = True
                 stopper = _Stopper("timeout", now)
+            if stopper is None and pending:
+                hangs = hang_watch.check(pending)
+                if hangs:
+                    stopper = _Stopper("hang", now)
+                    failed_at = time.time()
             refresh()
             if stopper is not None and pending:
                 for action in stopper.due(now):
                     released |= _act(fleet, action, pending) == "released"
+                    if action == "kill-hung" and (stuck := _worst([h for h in hangs if h.rank in pending])):
+                        killed = True
+                        _kill(fleet, pending, failures, result, stuck)
                     if action == "kill" and pending:
                         killed = True
-                        _kill(fleet, pending, failures, result)
+                        _kill(fleet, pending, failures, result, sorted(pending))
         except KeyboardInterrupt:
             interrupted = True
             if stopper is None or stopper.reason == "failure":
@@ -205,6 +224,11 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     for notice in sorted({n for reply in result.replies.values() for n in reply.get("notices", ())}):
         print(f"workbench: {notice}", file=sys.stderr)
 
+    frozen = any(h.frozen for h in hangs)
+    for hang in hangs:  # the hang is the rank's error, whatever stopping it raised there
+        failures = [f for f in failures if f.rank != hang.rank]
+        # with a frozen rank, the others only waited for it
+        failures.append(RankFailure(hang.rank, "Hung", hang.why, hang.text(), stopped=frozen and not hang.frozen))
     notes, dead = _repair(fleet, bool(failures) or interrupted or timed_out, released or killed, killed)
     if timed_out:
         notes.insert(0, f"the cell ran past --timeout {timeout:g} s and was stopped on every rank")
@@ -213,8 +237,10 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
         print(err.report())
         raise KeyboardInterrupt
     if failures:
-        raise DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None,
-                                   dead=dead)
+        error = DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None,
+                                     dead=dead, hung=[h.rank for h in hangs])
+        error.failed_at = failed_at
+        raise error
     return result
 
 
@@ -244,8 +270,13 @@ def _act(fleet, action: str, pending: dict) -> str:
     return action
 
 
-def _kill(fleet, pending: dict, failures: list[RankFailure], result: CellResult) -> None:
-    stuck = sorted(pending)
+def _worst(hangs) -> list[int]:
+    """The hung ranks to kill first: the frozen ones if any (their peers wait on them)."""
+    frozen = [h.rank for h in hangs if h.frozen]
+    return frozen or [h.rank for h in hangs]
+
+
+def _kill(fleet, pending: dict, failures: list[RankFailure], result: CellResult, stuck: list[int]) -> None:
     for rank in stuck:
         reply = {"ok": False, "ename": "Killed", "evalue": "did not stop within a few seconds; engine replaced",
                  "traceback": ""}

@@ -2,7 +2,10 @@
 
 Each rank is its own ipyparallel engine set, so that every engine gets its own
 environment (``CUDA_VISIBLE_DEVICES`` with exactly one GPU) and can be stopped
-or replaced alone.
+or replaced alone. ``spares=K`` keeps K more engines started and warm (torch
+imported), not in the process group: scaling up and replacing a dead rank
+take one instead of starting an engine (about 6 s on CPU), and a new spare is
+started in the background.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .output import ProgressLine
 from .reaper import write_pids
 from .runs import new_run_dir
 from .strategies import CellOptions
+from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 DEFAULT_ENGINE_TIMEOUT_S = 120.0
@@ -71,6 +75,8 @@ class Fleet:
         wandb: bool | None = None,
         auto_recover: bool = False,
         max_restarts: int = 3,
+        hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
+        spares: int = 0,
     ) -> None:
         if isinstance(gpus, str):
             gpus = parse_gpu_list(gpus)
@@ -95,9 +101,18 @@ class Fleet:
             raise OptionsError(f"--max-restarts must be a whole number >= 0 (got {max_restarts!r})")
         self.auto_recover = auto_recover
         self.max_restarts = max_restarts
+        if hang_timeout is not None and hang_timeout < 0:
+            raise OptionsError(f"--hang-timeout must be >= 0 seconds, 0 to turn it off (got {hang_timeout})")
+        self.hang_timeout = hang_timeout or None  # a rank without heartbeat or progress this long is hung
         self.restarts = 0
         self.fresh_ranks: list[int] = []  # replaced after dying, not set up again yet
         self.members: list[Member] = []
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise OptionsError(f"--spares must be a whole number >= 0 (got {spares!r})")
+        self.spares_wanted = spares
+        self.spares: list[Member] = []  # warm engines outside the process group (rank -1)
+        self._pending_spares: dict[str, EngineSlot] = {}  # engine set -> slot, not registered yet
+        self._identities: dict[int, dict] = {}  # engine id -> rendezvous.identify()
         self.generation = 0
         self.runtime_dir: str | None = None
         self.client = None
@@ -143,6 +158,7 @@ class Fleet:
             self.client = self._cluster.connect_client_sync()
             self._wait_for_engines(sets, progress, started)
             self._map_members(sets)
+            self._launch_spares(self.spares_wanted)
             progress.show(f"fleet: {len(self.members)} engines up; joining process group ({self.backend})…")
             self.rendezvous()
         except BaseException:
@@ -158,8 +174,9 @@ class Fleet:
     def stop(self) -> None:
         """Stop every engine and the controller; nothing is left running."""
         client, cluster = self.client, self._cluster
-        processes = _process_trees([m.pid for m in self.members])
-        self.client, self._cluster, self.members = None, None, []
+        processes = _process_trees([m.pid for m in self.members + self.spares])
+        self.client, self._cluster, self.members, self.spares = None, None, [], []
+        self._pending_spares, self._identities = {}, {}
         if self.metrics is not None:
             self.metrics.close()  # the records stay readable in fleet.metrics.store
         if client is not None:
@@ -227,44 +244,110 @@ class Fleet:
         except Exception:
             return ""
 
+    def _identify_new(self) -> None:
+        """Ask engines that registered since the last call who they are (slot, pid, host)."""
+        new = [e for e in self.client.ids if e not in self._identities]
+        if new:
+            self._identities.update(zip(new, self.client[new].apply_sync(rendezvous.identify), strict=True))
+
+    def _unassigned(self) -> dict[int, tuple[int, dict]]:
+        """Registered engines that are neither a rank nor a spare, by launch slot."""
+        taken = {m.engine_id for m in self.members + self.spares}
+        alive = set(self.client.ids)
+        return {info["slot"]: (e, info) for e, info in self._identities.items() if e in alive and e not in taken}
+
     def _wait_for_engines(self, sets: dict[str, EngineSlot], progress: ProgressLine, started: float) -> None:
-        want = len(self.client.ids) + len(sets)
         deadline = time.monotonic() + self.engine_timeout
-        while len(self.client.ids) < want:
+        while True:
+            self._identify_new()
+            up = set(self._unassigned())
+            if all(slot.slot in up for slot in sets.values()):
+                return
             for set_id, slot in sets.items():
                 launcher = self._cluster.engines.get(set_id)
-                if launcher is not None and launcher.stop_data:
+                if slot.slot not in up and launcher is not None and launcher.stop_data:
                     log = self._engine_log(set_id).strip().splitlines()
                     last = log[-1] if log else "no output"
                     raise FleetError(f"the engine for rank slot {slot.slot} exited while starting: {last}")
+            count = sum(slot.slot in up for slot in sets.values())
             if time.monotonic() > deadline:
                 raise FleetError(
-                    f"only {len(self.client.ids)} of {want} engines registered within {self.engine_timeout:.0f} s; "
+                    f"only {count} of {len(sets)} engines registered within {self.engine_timeout:.0f} s; "
                     "the machine may be overloaded: try again, or pass a larger engine_timeout"
                 )
-            progress.show(
-                f"fleet: starting engines {len(self.client.ids)}/{want} ({time.monotonic() - started:.0f} s)…",
-                key=len(self.client.ids),
-            )
+            progress.show(f"fleet: starting engines {count}/{len(sets)} ({time.monotonic() - started:.0f} s)…",
+                          key=count)
             time.sleep(0.1)
 
     def _map_members(self, sets: dict[str, EngineSlot]) -> None:
         """Match new engines to their slots and give every engine its rank (slot order)."""
-        known = {m.engine_id for m in self.members}
-        new_ids = [e for e in self.client.ids if e not in known]
-        infos = self.client[new_ids].apply_sync(rendezvous.identify)
-        by_slot = {slot.slot: (set_id, slot) for set_id, slot in sets.items()}
-        for engine_id, info in zip(new_ids, infos, strict=True):
-            set_id, slot = by_slot[info["slot"]]
+        unassigned = self._unassigned()
+        new_ids = []
+        for set_id, slot in sets.items():
+            engine_id, info = unassigned[slot.slot]
             self.members.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
+            new_ids.append(engine_id)
+        self._renumber()
+        self.client[new_ids].apply_sync(engine.attach, self.metrics.address, self.run_dir)
+
+    def _renumber(self) -> None:
         self.members.sort(key=lambda m: m.slot.slot)
         for rank, member in enumerate(self.members):
             member.rank = rank
         self._record_pids()
-        self.client[new_ids].apply_sync(engine.attach, self.metrics.address, self.run_dir)
+
+    # ------------------------------------------------------------------ spares
+    def _launch_spares(self, count: int) -> None:
+        """Start ``count`` spare engines in the background (as many as free GPUs allow)."""
+        from .elastic import new_slots
+
+        if count <= 0:
+            return
+        try:
+            slots = new_slots(self, count)
+        except OptionsError as exc:
+            print(f"workbench: no spare engine started: {exc}", file=sys.stderr)
+            return
+        for slot in slots:
+            self._pending_spares[self._launch(slot)] = slot
+
+    def _adopt_spares(self) -> None:
+        """Take spare engines that have registered since; drop spares that died."""
+        if not self._pending_spares and not self.spares:
+            return
+        self._identify_new()
+        alive = set(self.client.ids)
+        self.spares = [m for m in self.spares if m.engine_id in alive]
+        unassigned = self._unassigned()
+        adopted = []
+        for set_id, slot in list(self._pending_spares.items()):
+            if slot.slot in unassigned:
+                engine_id, info = unassigned[slot.slot]
+                self.spares.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
+                adopted.append(engine_id)
+                del self._pending_spares[set_id]
+        if adopted:
+            self._record_pids()
+            self.client[adopted].apply_sync(engine.attach, self.metrics.address, self.run_dir)
+            self.client[adopted].apply_async(engine.warm)
+
+    def _take_spares(self, slots: list[EngineSlot]) -> list[EngineSlot]:
+        """Give ``slots`` to warm spares where there are some; return the slots left over."""
+        self._adopt_spares()
+        taken = 0
+        while slots and self.spares:
+            spare, slot = self.spares.pop(0), slots[0]
+            slots = slots[1:]
+            spare.slot = EngineSlot(slot.slot, spare.slot.gpu)  # the rank's place; the spare's own GPU
+            self.members.append(spare)
+            taken += 1
+        if taken:
+            self._renumber()
+            self._launch_spares(taken)
+        return slots
 
     def _record_pids(self) -> None:
-        pids = [m.pid for m in self.members]
+        pids = [m.pid for m in self.members + self.spares]
         controller = getattr(self._cluster, "controller", None)
         if controller is not None and getattr(controller, "pid", -1) > 0:
             pids.append(controller.pid)
@@ -396,17 +479,19 @@ class Fleet:
             result = execution.run_on_ranks(self, targets, engine.run_cell, args, timeout=timeout,
                                             show_output=show_output)
         except execution.DistributedCellError as exc:
-            if not (self.auto_recover and exc.dead and self.restarts < self.max_restarts):
+            if not (self.auto_recover and (exc.dead or exc.hung) and self.restarts < self.max_restarts):
                 raise
             self.restarts += 1
-            print(f"workbench: auto-recover {self.restarts}/{self.max_restarts}: the engine of rank "
-                  f"{','.join(map(str, exc.dead))} died during the cell; recovering from the latest checkpoint and "
-                  "running the cell again", file=sys.stderr, flush=True)
+            what = (f"the engine of rank {','.join(map(str, exc.dead))} died" if exc.dead
+                    else f"rank {','.join(map(str, exc.hung))} hung")
+            print(f"workbench: auto-recover {self.restarts}/{self.max_restarts}: {what} during the cell; recovering "
+                  "from the latest checkpoint and running the cell again", file=sys.stderr, flush=True)
             self.recover()
             return self.execute(code, options, ranks=ranks, timeout=timeout, return_value=return_value,
                                 show_output=show_output, setup=setup)
         if setup:
             self.setup_cells = [c for c in self.setup_cells if c[0] != code] + [(code, options)]
+        self._adopt_spares()  # spares that registered while the cell ran get warm now
         return result
 
     def _recover_if_dead(self) -> None:
@@ -440,9 +525,11 @@ class Fleet:
         return result
 
     def _add_engines(self, slots: list[EngineSlot]) -> None:
-        sets = {self._launch(slot): slot for slot in slots}
-        self._wait_for_engines(sets, ProgressLine(False), time.monotonic())
-        self._map_members(sets)
+        slots = self._take_spares(slots)
+        if slots:
+            sets = {self._launch(slot): slot for slot in slots}
+            self._wait_for_engines(sets, ProgressLine(False), time.monotonic())
+            self._map_members(sets)
 
     def _remove_ranks(self, ranks: list[int]) -> None:
         """Stop the engines of ``ranks`` for good (scale down)."""
@@ -458,10 +545,8 @@ class Fleet:
                 pass
         gone = {m.engine_id for m in doomed}
         self.members = [m for m in self.members if m.engine_id not in gone]
-        for rank, member in enumerate(self.members):
-            member.rank = rank
         psutil.wait_procs(_process_trees([m.pid for m in doomed]), timeout=5)
-        self._record_pids()
+        self._renumber()
 
     def run(
         self,
@@ -517,6 +602,7 @@ class Fleet:
         """One row per rank: rank, engine id, pid, host, device, state, memory."""
         if not self.running:
             return []
+        self._adopt_spares()
         alive = set(self.client.ids)
         queues = self.client.queue_status()
         states = {}
@@ -537,6 +623,14 @@ class Fleet:
                 "device": m.device, "state": states[m.rank], "memory": memory,
             })
         return rows
+
+
+    def spare_status(self) -> dict:
+        """Warm spare engines (ready to take a rank) and spares still starting."""
+        if self.running:
+            self._adopt_spares()
+        return {"ready": [{"engine": m.engine_id, "pid": m.pid, "host": m.host} for m in self.spares],
+                "starting": len(self._pending_spares)}
 
 
 def _alive(pid: int) -> bool:

@@ -20,6 +20,7 @@ from .errors import WorkbenchError
 from .execution import DistributedCellError
 from .fleet import DEFAULT_PG_TIMEOUT_S, Fleet
 from .strategies import PRECISIONS, STRATEGIES, CellOptions
+from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 _current: Fleet | None = None
 _last_metrics = None  # the metrics of the last fleet, still readable after %fleet stop
@@ -94,6 +95,11 @@ def _fleet_parser() -> _Parser:
     start.add_argument("--auto-recover", action="store_true",
                        help="when an engine dies in a cell: recover and run the cell again")
     start.add_argument("--max-restarts", type=_count, default=3, help="auto-recover budget (default 3)")
+    start.add_argument("--spares", type=_count, default=0,
+                       help="warm engines kept ready outside the group: scale up and recovery take one at once")
+    start.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S,
+                       help="a rank with no heartbeat, or no progress, this many seconds is hung and "
+                            f"stopped (default {DEFAULT_HANG_TIMEOUT_S:g}; 0: off)")
     sub.add_parser("status", prog="%fleet status", add_help=False)
     scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
     scale.add_argument("n", type=_count, help="the new number of ranks")
@@ -201,7 +207,8 @@ class WorkbenchMagics(Magics):
                 )
             fleet = Fleet(n=args.n, gpus=args.gpus, cpu=args.cpu, backend=args.backend, pg_timeout=args.pg_timeout,
                           wandb=False if args.no_wandb else None, auto_recover=args.auto_recover,
-                          max_restarts=args.max_restarts)
+                          max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
+                          spares=args.spares)
             _current = fleet.start()
             print(f"fleet: run {fleet.run_id} in {fleet.run_dir}")
             return None
@@ -215,6 +222,11 @@ class WorkbenchMagics(Magics):
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         if args.command == "status":
             print(_status_table(fleet.status()))
+            spares = fleet.spare_status()
+            if spares["ready"] or spares["starting"]:
+                print(f"spares: {len(spares['ready'])} warm"
+                      + (f" (engine {', '.join(str(s['engine']) for s in spares['ready'])})" if spares["ready"] else "")
+                      + (f", {spares['starting']} starting" if spares["starting"] else ""))
         elif args.command == "scale":
             fleet.scale(args.n)
         elif args.command == "recover":

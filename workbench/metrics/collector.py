@@ -90,7 +90,8 @@ class MetricsCollector:
         except (ValueError, KeyError, TypeError) as exc:
             self.errors.append(f"a malformed metrics message was ignored ({exc})")
             return
-        self._each_sink("write", records)
+        if records:  # a heartbeat alone has none
+            self._each_sink("write", records)
 
     def _each_sink(self, method: str, *args) -> None:
         for sink in list(self.sinks):

@@ -27,6 +27,7 @@ class CommClock:
 
     def __init__(self) -> None:
         self._done: collections.deque = collections.deque()
+        self.launched = 0  # collectives started (part of the rank's heartbeat)
 
     def add(self, start: float, end: float) -> None:
         self._done.append((start, end))
@@ -47,6 +48,7 @@ class CommClock:
     def timed(self, launch, *args, **kwargs):
         """Run ``launch`` (a collective); time it until its Work (if async) completes."""
         start = time.perf_counter()
+        self.launched += 1
         work = launch(*args, **kwargs)
         if work is None:
             self.add(start, time.perf_counter())
@@ -60,6 +62,7 @@ def _timed_allreduce_hook(clock: CommClock):
 
     def hook(process_group, bucket):
         start = time.perf_counter()
+        clock.launched += 1
 
         def done(fut):
             clock.add(start, time.perf_counter())

@@ -97,6 +97,8 @@ class CellWatch:
         expected = {}
         for rank, reply in replies.items():
             sent = reply.get("metrics") if isinstance(reply, dict) else None
+            if sent:
+                self.metrics.store.cells_done[sent["pid"]] = sent["cell"]
             if sent and sent["seq"]:
                 expected[rank] = (sent["pid"], sent["seq"])
         arrived = self.metrics.store.wait_for(expected, ARRIVAL_WAIT_S) if expected else True

@@ -3,7 +3,10 @@
 ``log()`` only appends a tuple to a bounded in-memory buffer; a daemon thread
 wakes every ``SEND_EVERY_S``, encodes what accumulated and pushes it to the
 kernel's collector over a zmq PUSH socket (ordered and lossless over one
-connection). When the kernel does not keep up, zmq's high-water mark makes the
+connection). Every ``BEAT_EVERY_S`` a message goes even without records: the
+rank's heartbeat, with an activity counter (records, forward calls,
+collectives launched) and, once that counter has stalled, the main thread's
+stack, so the kernel can tell a hung rank and say where it is stuck. When the kernel does not keep up, zmq's high-water mark makes the
 non-blocking send fail; the records then stay in the buffer, and once the
 buffer is full the oldest are dropped and counted, so the training loop never
 waits for the kernel.
@@ -24,6 +27,8 @@ MAX_BUFFERED = 50_000  # records kept while the kernel is not reading
 MAX_BATCH = 2_000  # records per message
 SEND_EVERY_S = 0.05  # batching interval: latency floor vs. wake-ups per second
 SEND_HWM = 32  # messages zmq queues before a send would block
+BEAT_EVERY_S = 1.0  # heartbeat interval (a message goes at least this often)
+STACK_AFTER_S = 2.0  # a stalled rank adds its main thread's stack to its heartbeats
 
 
 class MetricsLogger:
@@ -35,7 +40,10 @@ class MetricsLogger:
         self.sent_seq = 0  # records handed to zmq
         self.dropped = 0
         self.pushed_back = 0  # sends refused because the kernel was behind
+        self.send_error: str | None = None  # the last exception while building a message
         self.total: int | None = None
+        self.cells = 0  # cells (and functions) this process has run; heartbeats say which one
+        self.activity = 0  # records and forward calls; with collectives launched, the heartbeat's progress
         self.comm = CommClock()
         self._buffer: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -48,6 +56,8 @@ class MetricsLogger:
     def cell_started(self) -> None:
         """A new cell: its first step is measured from now."""
         self._interval_start = time.perf_counter()
+        self._cell_activity = self.activity + self.comm.launched
+        self.cells += 1
         self._samples = 0
         self._stepped: dict | None = None  # measurements of an optimizer step not yet logged
         self.comm.take(self._interval_start)
@@ -68,6 +78,7 @@ class MetricsLogger:
 
     def samples_seen(self, n: int) -> None:
         self._samples += n
+        self.activity += 1
 
     def _emit_stepped(self) -> None:
         if self._stepped is not None:
@@ -91,6 +102,7 @@ class MetricsLogger:
             step = self.step
         self.step = int(step) + 1
         self.seq += 1
+        self.activity += 1
         record = (time.time(), self.seq, int(step), scalars, system)
         with self._lock:
             if len(self._buffer) >= MAX_BUFFERED:
@@ -125,23 +137,32 @@ class MetricsLogger:
         socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         socket.setsockopt(zmq.LINGER, 1000)
         socket.connect(self._address)
+        self._last_sent = 0.0
+        self._pulse = _Pulse()
         while True:
             self._flush.wait(SEND_EVERY_S)
             self._flush.clear()
-            while self._send_batch(socket, zmq):
-                pass
-
+            try:
+                while self._send_batch(socket, zmq):
+                    pass
+            except Exception as exc:  # the sender (and with it the heartbeat) must outlive any one message
+                self.send_error = f"{type(exc).__name__}: {exc}"
     def _send_batch(self, socket, zmq) -> bool:
-        with self._lock:
-            batch = [self._buffer.popleft() for _ in range(min(MAX_BATCH, len(self._buffer)))]
-            dropped = self.dropped
-        if not batch:
+        now = time.monotonic()
+        if not self._buffer and now - self._last_sent < BEAT_EVERY_S:
             return False
         from ..engine import STATE
 
+        cell = self.cells
+        beat = self._pulse.beat(self.activity + self.comm.launched, self._cell_activity, STATE.in_user_code, now)
+        beat["cell"] = cell
+        memory = _memory()
+        with self._lock:
+            batch = [self._buffer.popleft() for _ in range(min(MAX_BATCH, len(self._buffer)))]
+            dropped = self.dropped
         message = {
             "pid": os.getpid(), "rank": STATE.spec.rank if STATE.spec else None, "dropped": dropped,
-            "total": self.total, "memory": _memory(),
+            "total": self.total, "memory": memory, "beat": beat,
             "records": [[t, seq, step, _plain(scalars), _plain(system)] for t, seq, step, scalars, system in batch],
         }
         try:
@@ -155,8 +176,38 @@ class MetricsLogger:
                     self.dropped += 1
             time.sleep(SEND_EVERY_S)
             return False
+        self._last_sent = now
+        if not batch:
+            return False
         self.sent_seq = batch[-1][1]
         return True
+
+
+class _Pulse:
+    """The heartbeat's content. ``stalled_s``: while user code runs and has made
+    progress in this cell, the seconds since the activity counter last moved (else
+    None); with it, once it reaches ``STACK_AFTER_S``, the main thread's stack."""
+
+    def __init__(self) -> None:
+        self.activity = -1
+        self.changed_at = 0.0
+
+    def beat(self, activity: int, at_cell_start: int, in_user_code: bool, now: float) -> dict:
+        if activity != self.activity:
+            self.activity, self.changed_at = activity, now
+        stalled = now - self.changed_at if in_user_code and activity != at_cell_start else None
+        stack = _main_thread_stack() if stalled is not None and stalled >= STACK_AFTER_S else None
+        return {"stalled_s": stalled, "stack": stack}
+
+
+def _main_thread_stack(limit: int = 8) -> str | None:
+    import sys
+    import traceback
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return None
+    return "".join(traceback.format_stack(frame, limit=limit))
 
 
 def _checked(scalars: dict) -> dict:
@@ -187,9 +238,9 @@ def _memory() -> dict:
     import psutil
 
     memory = {"rss_mb": psutil.Process().memory_info().rss / 2**20}
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        memory["cuda_max_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)  # torch may be half-imported by the main thread
+    if cuda is not None and cuda.is_available() and cuda.is_initialized():
+        memory["cuda_max_mb"] = cuda.max_memory_allocated() / 2**20
     return memory
 
 

@@ -33,12 +33,17 @@ class RankStream:
     dropped: int = 0
     lost: int = 0  # sequence gaps not explained by drops
     total: int | None = None
+    beat_at: float = 0.0  # arrival of the last message (heartbeats included), seconds since the epoch
+    cell: int = 0  # from the heartbeat: the rank's cell counter when it was sent
+    stalled_s: float | None = None  # from the heartbeat: seconds the rank's cell has made no progress
+    stack: str | None = None  # the rank's main thread, sent while it is stalled
 
 
 @dataclass
 class MetricsStore:
     records: list[Record] = field(default_factory=list)
     streams: dict[int, RankStream] = field(default_factory=dict)
+    cells_done: dict[int, int] = field(default_factory=dict)  # engine pid -> the cell counter of its last reply
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition()
@@ -46,6 +51,8 @@ class MetricsStore:
     def add(self, message: dict, arrived: float) -> list[Record]:
         """Add one sender message; return its records."""
         rank = message["rank"]
+        if rank is None and not message["records"]:
+            return []  # the heartbeat of an engine that has no rank yet
         new = [Record(t, arrived, rank, step, scalars, {**system, **message["memory"]})
                for t, _seq, step, scalars, system in message["records"]]
         with self.changed:
@@ -60,6 +67,10 @@ class MetricsStore:
             stream.total = message.get("total")
             if message["records"]:
                 stream.seq = message["records"][-1][1]
+            beat = message.get("beat")
+            if beat is not None:
+                stream.beat_at, stream.stalled_s, stream.stack = arrived, beat["stalled_s"], beat["stack"]
+                stream.cell = beat["cell"]
             self.records.extend(new)
             self.changed.notify_all()
         return new

@@ -1,0 +1,67 @@
+"""Kernel side: tell a hung rank while a cell runs.
+
+A hung rank is alive but makes no progress. Its heartbeat (sent by the rank's
+metrics thread, :mod:`workbench.metrics.logger`) shows it in one of two ways:
+
+- no heartbeat for ``hang_timeout`` seconds: the process is frozen (stopped,
+  swapped out, or in native code that holds the GIL);
+- the cell made progress (a forward, an optimizer step, a collective launched,
+  ``workbench.log``) and then none for ``hang_timeout`` seconds: stuck in a
+  collective or a deadlock. The heartbeat then carries the rank's stack.
+
+A cell that never showed progress (loading data, a plain ``time.sleep``) is
+not judged by the second sign; ``--timeout`` covers it. The cell runner
+(:mod:`workbench.execution`) stops a hung cell like a failed one, and kills and
+replaces a hung rank that does not stop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+DEFAULT_HANG_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Hang:
+    rank: int
+    why: str
+    stack: str | None = None
+    frozen: bool = False  # no heartbeat at all (rather than no progress)
+
+    def text(self) -> str:
+        where = f"\nwhere its main thread was:\n{self.stack.rstrip()}" if self.stack else ""
+        return f"rank {self.rank} hung: {self.why}{where}"
+
+
+class HangWatch:
+    """Judges the pending ranks of one cell from their heartbeats."""
+
+    def __init__(self, fleet, ranks: list[int], timeout: float | None) -> None:
+        self.timeout = timeout
+        self.store = fleet.metrics.store
+        self.pids = {r: fleet.member(r).pid for r in ranks}
+        # a heartbeat is about this cell if the rank's cell counter has passed its last reply's
+        self.before = {r: self.store.cells_done.get(pid, -1) for r, pid in self.pids.items()}
+        self.started = time.time()
+
+    def check(self, pending) -> list[Hang]:
+        if not self.timeout:
+            return []
+        now = time.time()
+        hangs = []
+        for rank in sorted(pending):
+            stream = self.store.streams.get(rank)
+            if stream is not None and stream.pid != self.pids[rank]:
+                stream = None  # an older engine's stream for this rank
+            silent = now - max(stream.beat_at if stream else 0.0, self.started)
+            if silent > self.timeout:
+                hangs.append(Hang(rank, f"no heartbeat for {silent:.0f} s (the process is frozen: stopped, or in "
+                                        "native code that holds the GIL)", frozen=True))
+            elif (stream is not None and stream.cell > self.before[rank]
+                  and stream.stalled_s is not None and stream.stalled_s + silent > self.timeout):
+                hangs.append(Hang(rank, f"no progress for {stream.stalled_s + silent:.0f} s (no forward, optimizer "
+                                        "step, collective or workbench.log): stuck in a collective or a "
+                                        "deadlock", stream.stack))
+        return hangs
