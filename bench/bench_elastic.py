@@ -42,7 +42,7 @@ STEP = "step()\ntime.time()"
 def torchrun(n: int, folder: str, mode: str) -> float:
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
         started = time.time()
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                         str(HERE / "elastic_resume.py"), folder, mode, out.name],
                        check=True, env=quiet_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return float(open(out.name).read() or "nan") - started if mode == "resume" else 0.0

@@ -451,6 +451,12 @@ class Fleet:
             )
         return ranks
 
+    def _validate(self, options: CellOptions, targets: list[int]) -> None:
+        options.validate(self.device_type, self.world_size, len({m.host for m in self.members}))
+        if (options.custom_parallel or options.comm_hook) and len(targets) != self.world_size:
+            raise OptionsError("hsdp, --tp, --pp and --comm-hook need every rank (they build the mesh or DDP "
+                               "on the whole group); drop --ranks")
+
     def execute(
         self,
         code: str,
@@ -468,7 +474,7 @@ class Fleet:
         replayed on every rank after :meth:`scale` or a recovery.
         """
         targets = self._targets(ranks)
-        options.validate(self.device_type)
+        self._validate(options, targets)
         if setup and ranks is not None and len(targets) != self.world_size:
             raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
         self._recover_if_dead()
@@ -571,7 +577,7 @@ class Fleet:
         options = CellOptions(strategy, mixed_precision, grad_accum)
         if callable(code_or_function):
             targets = self._targets(ranks)
-            options.validate(self.device_type)
+            self._validate(options, targets)
             call = (code_or_function, args, kwargs, options.to_dict())
             result = execution.run_on_ranks(
                 self, targets, engine.run_function, call, timeout=timeout, show_output=show_output

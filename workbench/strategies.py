@@ -10,20 +10,43 @@ from dataclasses import asdict, dataclass
 
 from .errors import OptionsError
 
-STRATEGIES = ("ddp", "fsdp", "none")
+STRATEGIES = ("ddp", "fsdp", "hsdp", "none")
 PRECISIONS = ("no", "fp16", "bf16")
+COMM_HOOKS = ("fp16", "bf16", "powersgd")
+SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
 class CellOptions:
-    """What ``%%distributed --strategy/--mixed-precision/--grad-accum`` asked for."""
+    """What ``%%distributed``'s flags asked for (see :mod:`workbench.parallel` for the
+    parallelism ones)."""
 
     strategy: str = "ddp"
     mixed_precision: str = "no"
     grad_accum: int = 1
+    comm_hook: str | None = None  # fp16 | bf16 | powersgd[:RANK]
+    mesh: str | None = None  # hsdp: REPLICATExSHARD, e.g. 2x2
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 4
+    schedule: str = "gpipe"
+    activation_checkpointing: bool = False
 
-    def validate(self, device_type: str) -> "CellOptions":
-        """Raise :class:`OptionsError` for a combination that cannot work on ``device_type``."""
+    @property
+    def custom_parallel(self) -> bool:
+        """workbench, not accelerate, shards or splits the model (hsdp, tp, pp)."""
+        return self.strategy == "hsdp" or self.tp > 1 or self.pp > 1
+
+    def mesh_shape(self, world_size: int, nodes: int = 1) -> tuple[int, int]:
+        """hsdp's (replicate, shard) sizes: ``--mesh``, or shard inside a node, replicate across nodes."""
+        if self.mesh is None:
+            return (nodes, world_size // nodes) if world_size % nodes == 0 else (1, world_size)
+        replicate, _, shard = self.mesh.lower().partition("x")
+        return int(replicate), int(shard)
+
+    def validate(self, device_type: str, world_size: int | None = None, nodes: int = 1) -> "CellOptions":
+        """Raise :class:`OptionsError` for a combination that cannot work on ``device_type``
+        (and, when ``world_size`` is given, on that many ranks)."""
         if self.strategy not in STRATEGIES:
             raise OptionsError(
                 f"unknown strategy {self.strategy!r}; use one of: {', '.join(STRATEGIES)}"
@@ -39,6 +62,9 @@ class CellOptions:
                 "fp16 mixed precision needs a GPU (it relies on CUDA's grad scaler); "
                 "on CPU use --mixed-precision bf16 or no"
             )
+        from .parallel.options import check_parallel
+
+        check_parallel(self, world_size, nodes)
         return self
 
     def to_dict(self) -> dict:

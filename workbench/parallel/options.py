@@ -1,0 +1,77 @@
+"""One-line refusals of parallelism flags that cannot work, before anything runs."""
+
+from __future__ import annotations
+
+from ..errors import OptionsError
+
+
+def parse_comm_hook(text: str) -> tuple[str, int]:
+    """``fp16`` / ``bf16`` / ``powersgd[:RANK]`` → (name, PowerSGD rank; 1 by default)."""
+    from ..strategies import COMM_HOOKS
+
+    name, _, rank = text.lower().partition(":")
+    if name not in COMM_HOOKS:
+        raise OptionsError(f"unknown --comm-hook {text!r}; use one of: fp16, bf16, powersgd[:RANK]")
+    if rank and name != "powersgd":
+        raise OptionsError(f"--comm-hook {name} takes no rank (only powersgd:RANK does)")
+    try:
+        value = int(rank) if rank else 1
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise OptionsError(f"--comm-hook powersgd:RANK needs a whole number >= 1 (got {rank!r})")
+    return name, value
+
+
+def _whole(value, flag: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionsError(f"{flag} must be a whole number >= 1 (got {value!r})")
+
+
+def check_parallel(options, world: int | None, nodes: int = 1) -> None:
+    """Raise :class:`OptionsError` for parallelism flags that do not fit together or the world."""
+    from ..strategies import SCHEDULES
+
+    _whole(options.tp, "--tp")
+    _whole(options.pp, "--pp")
+    _whole(options.microbatches, "--microbatches")
+    if options.comm_hook is not None:
+        parse_comm_hook(options.comm_hook)
+        if options.strategy != "ddp" or options.custom_parallel:
+            raise OptionsError("--comm-hook compresses DDP's gradient all-reduce: use it with --strategy ddp only "
+                               "(FSDP/HSDP reduce-scatter and TP/PP have no DDP buckets)")
+    if options.schedule not in SCHEDULES:
+        raise OptionsError(f"unknown --schedule {options.schedule!r}; use one of: {', '.join(SCHEDULES)}")
+    if options.mesh is not None:
+        if options.strategy != "hsdp":
+            raise OptionsError("--mesh RxS is the hsdp layout (replicate x shard); use it with --strategy hsdp "
+                               "(--tp N sets the tensor-parallel mesh)")
+        replicate, _, shard = options.mesh.lower().partition("x")
+        if not (replicate.isdigit() and shard.isdigit() and int(replicate) >= 1 and int(shard) >= 1):
+            raise OptionsError(f"--mesh takes REPLICATExSHARD, e.g. --mesh 2x2 (got {options.mesh!r})")
+    if options.custom_parallel and options.mixed_precision == "fp16":
+        raise OptionsError("--mixed-precision fp16 is not supported with hsdp, --tp or --pp; use bf16")
+    if sum([options.strategy == "hsdp", options.tp > 1, options.pp > 1]) > 1:
+        raise OptionsError("combine at most one of --strategy hsdp, --tp and --pp in a cell")
+    if options.pp > 1 and options.strategy not in ("ddp", "none"):
+        raise OptionsError(f"--pp puts one stage on each rank; --strategy {options.strategy} cannot shard a stage too")
+    if options.pp > 1 and options.mixed_precision != "no":
+        raise OptionsError("--pp runs stages in full precision; drop --mixed-precision")
+    if options.schedule == "1f1b" and options.microbatches < options.pp:
+        raise OptionsError(f"--schedule 1f1b needs at least as many microbatches as stages "
+                           f"(--microbatches {options.microbatches} < --pp {options.pp})")
+    if world is None:
+        return
+    if options.tp > world:
+        raise OptionsError(f"--tp {options.tp} is larger than the world ({world} ranks)")
+    if world % options.tp:
+        raise OptionsError(f"--tp {options.tp} does not divide the world of {world} ranks")
+    if options.tp > 1 and world // options.tp > 1 and options.strategy != "fsdp":
+        raise OptionsError(f"--tp {options.tp} on {world} ranks leaves a data-parallel dimension of "
+                           f"{world // options.tp}: shard it with --strategy fsdp")
+    if options.pp > 1 and options.pp != world:
+        raise OptionsError(f"--pp {options.pp} must equal the world size ({world}): one stage per rank")
+    if options.strategy == "hsdp":
+        replicate, shard = options.mesh_shape(world, nodes)
+        if replicate * shard != world:
+            raise OptionsError(f"--mesh {options.mesh} has {replicate * shard} ranks but the fleet has {world}")
