@@ -1,6 +1,7 @@
 """Run every benchmark and print its ratios: ``python bench/run_all.py``."""
 
 import bench_checkpoint
+import bench_comm_hooks
 import bench_elastic
 import bench_launch
 import bench_metrics
@@ -8,5 +9,6 @@ import bench_roundtrip
 import bench_step_time
 
 if __name__ == "__main__":
-    for bench in (bench_roundtrip, bench_launch, bench_step_time, bench_metrics, bench_checkpoint, bench_elastic):
+    for bench in (bench_roundtrip, bench_launch, bench_step_time, bench_metrics, bench_checkpoint, bench_elastic,
+                  bench_comm_hooks):
         bench.main()

@@ -57,3 +57,16 @@ def test_notebook_runs_headless(path, tmp_path):
         assert "auto-recover 1/3: the engine of rank 1 died" in text
         assert "restored model, optimizer, rng from 'step-120' at step 120" in text
         assert "[rank 1] 3 ranks, at step 180" in text
+    if path.name == "05_parallelism.ipynb":
+        losses = [float(x) for x in re.findall(r"loss after 30 steps: ([0-9.]+)", text)]
+        assert len(losses) == 3 and max(losses) / min(losses) < 1.1, "hooks train like plain DDP"
+        assert re.search(r"rank +records +steps/s +step ms +comm ms", text)
+        tp = re.search(r"TP: q shard \(16, 32\) of \(32, 32\); loss ([0-9.]+) vs one process ([0-9.]+)", text)
+        assert tp and abs(float(tp[1]) - float(tp[2])) < 1e-5
+        for stage in re.findall(r"PP stage \d: .*?loss ([0-9.]+) vs one process ([0-9.]+)", text):
+            assert abs(float(stage[0]) - float(stage[1])) < 1e-5
+        assert "layers ['0', '1', '2']" in text and "layers ['3', '4', '5']" in text
+        assert "block forward ran 2 times in one step" in text
+        assert "scale 2→4: done" in text
+        assert "HSDP mesh [[0, 1], [2, 3]]: w1 ['R', 'S(0)'], local (64, 32) of (128, 32)" in text
+        assert "dp x tp mesh [[0, 1], [2, 3]]: w1 local (32, 32) of (128, 32)" in text

@@ -45,7 +45,8 @@ class RankState:
         if self.accelerator is None or self.accelerator_key != key:
             from .strategies import build_accelerator
 
-            self.accelerator = build_accelerator(options, self.device.type)
+            nodes = self.spec.world_size // max(1, self.spec.local_world_size)
+            self.accelerator = build_accelerator(options, self.device.type, nodes)
             self.accelerator_key = key
         return self.accelerator
 
@@ -59,6 +60,7 @@ class RankState:
             "world_size": self.spec.world_size,
             "local_rank": self.spec.local_rank,
             "device": self.device,
+            "mesh": self.ensure_accelerator(options).workbench_mesh,  # hsdp / --tp / --pp, else None
             "workbench": workbench,
         }
 

@@ -564,6 +564,7 @@ class Fleet:
         ranks=None,
         timeout: float | None = None,
         show_output: bool = True,
+        options: CellOptions | None = None,
         **kwargs: Any,
     ) -> list:
         """Run a code string or a function on every rank and return each rank's result.
@@ -572,9 +573,10 @@ class Fleet:
         function is called as ``fn(*args, **kwargs)``. Inside, the names of a
         ``%%distributed`` cell (``accelerator``, ``rank``, ...) are defined.
         Tensors come back on CPU. Raises :class:`execution.DistributedCellError`
-        if any rank raised.
+        if any rank raised. ``options`` (a :class:`CellOptions`, e.g. with ``tp=2``)
+        replaces ``strategy``, ``mixed_precision`` and ``grad_accum``.
         """
-        options = CellOptions(strategy, mixed_precision, grad_accum)
+        options = options or CellOptions(strategy, mixed_precision, grad_accum)
         if callable(code_or_function):
             targets = self._targets(ranks)
             self._validate(options, targets)

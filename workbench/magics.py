@@ -19,7 +19,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from .errors import WorkbenchError
 from .execution import DistributedCellError
 from .fleet import DEFAULT_PG_TIMEOUT_S, Fleet
-from .strategies import PRECISIONS, STRATEGIES, CellOptions
+from .strategies import PRECISIONS, SCHEDULES, STRATEGIES, CellOptions
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 _current: Fleet | None = None
@@ -122,6 +122,14 @@ def _distributed_parser() -> _Parser:
     parser.add_argument("--ranks", type=_rank_list, default=None, help="run on these ranks only, e.g. 0,1")
     parser.add_argument("--timeout", type=_positive_float, default=None, help="stop the cell after S seconds")
     parser.add_argument("--setup", action="store_true", help="record the cell; replayed after %%fleet scale")
+    parser.add_argument("--comm-hook", default=None, help="DDP gradient compression: fp16|bf16|powersgd[:RANK]")
+    parser.add_argument("--mesh", default=None, help="hsdp layout REPLICATExSHARD, e.g. 2x2")
+    parser.add_argument("--tp", type=_count, default=1, help="tensor-parallel size (dp x tp mesh)")
+    parser.add_argument("--pp", type=_count, default=1, help="pipeline stages (one per rank)")
+    parser.add_argument("--microbatches", type=_count, default=4, help="microbatches per pipeline step (default 4)")
+    parser.add_argument("--schedule", default="gpipe", help=f"pipeline schedule: {'|'.join(SCHEDULES)}")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in backward")
     return parser
 
 
@@ -254,8 +262,11 @@ class WorkbenchMagics(Magics):
     def distributed(self, line: str, cell: str):
         """Run the cell on every rank of the fleet.
 
-        %%distributed [--strategy ddp|fsdp|none] [--mixed-precision no|fp16|bf16]
+        %%distributed [--strategy ddp|fsdp|hsdp|none] [--mixed-precision no|fp16|bf16]
                       [--grad-accum K] [--ranks 0,1] [--timeout S] [--setup]
+                      [--comm-hook fp16|bf16|powersgd[:R]] [--mesh RxS] [--tp N]
+                      [--pp N [--microbatches M] [--schedule gpipe|1f1b]]
+                      [--activation-checkpointing]
 
         Each rank keeps its own namespace across cells. Defined in every cell:
         accelerator (an accelerate.Accelerator built from the flags; FSDP is
@@ -265,12 +276,24 @@ class WorkbenchMagics(Magics):
         The last expression's value on the first rank is shown as the result.
         --setup records the cell (model, optimizer, data): %fleet scale replays
         the recorded setup cells on every rank before restoring the state.
+
+        Parallelism (applied by accelerator.prepare; see workbench.parallel):
+        --comm-hook compresses DDP's all-reduce with torch's hooks; --strategy
+        hsdp shards inside groups and replicates across them (--mesh RxS,
+        default: shard inside a node); --tp N splits layers over N ranks (a
+        model's tp_plan, or nn.Linear pairs of an nn.Sequential; FSDP over the
+        rest with --strategy fsdp); --pp N cuts an nn.Sequential into N stages,
+        trained with model.train_step(x, target=y, loss_fn=f);
+        --activation-checkpointing recomputes each block in backward. The
+        DeviceMesh is the name `mesh` in the cell.
         """
         args = _distributed_parser().parse_args(shlex.split(line))
         fleet = current_fleet()
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
-        options = CellOptions(args.strategy, args.mixed_precision, args.grad_accum)
+        options = CellOptions(args.strategy, args.mixed_precision, args.grad_accum, comm_hook=args.comm_hook,
+                              mesh=args.mesh, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                              schedule=args.schedule, activation_checkpointing=args.activation_checkpointing)
         result = fleet.execute(cell, options, ranks=args.ranks, timeout=args.timeout, setup=args.setup)
         bundle = result.display(result.ranks[0])
         return _RankValue(bundle) if bundle else None

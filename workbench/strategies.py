@@ -71,7 +71,7 @@ class CellOptions:
         return asdict(self)
 
 
-def build_accelerator(options: CellOptions, device_type: str):
+def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
     """Create the ``accelerate.Accelerator`` for ``options`` on this rank.
 
     Its ``prepare`` also adds workbench's step and communication measurements
@@ -98,7 +98,8 @@ def build_accelerator(options: CellOptions, device_type: str):
     accelerator = accelerator_class()(
         cpu=device_type == "cpu",
         fsdp_plugin=plugin,
-        mixed_precision=options.mixed_precision,
+        # hsdp casts through FSDP2's MixedPrecisionPolicy (workbench.parallel)
+        mixed_precision="no" if options.custom_parallel else options.mixed_precision,
         gradient_accumulation_steps=options.grad_accum,
         # gradients live in DDP's buckets: no copy into them, so workbench's timed
         # (Python) comm hook costs no extra pass over the gradients
@@ -109,6 +110,12 @@ def build_accelerator(options: CellOptions, device_type: str):
         "fsdp": DistributedType.FSDP,
         "none": DistributedType.NO,
     }.get(options.strategy)
+    if options.custom_parallel:  # workbench.parallel shards or splits the model; accelerate only places it
+        wanted = DistributedType.NO
+        from .parallel.model import build_mesh
+
+        accelerator.workbench_mesh = build_mesh(options, state.num_processes, nodes, device_type)
+    accelerator.workbench_options = options
     if wanted is not None and state.distributed_type != wanted:
         state.distributed_type = wanted
         PartialState._shared_state["distributed_type"] = wanted

@@ -19,14 +19,20 @@ REGISTERED: dict[str, object] = {}
 
 
 def prepared_objects(namespace: dict) -> dict[str, dict[str, object]]:
-    """Prepared objects bound to names, by kind: models, optimizers, schedulers, dataloaders."""
+    """Prepared objects bound to names, by kind: models, optimizers, schedulers, dataloaders;
+    only those prepared on the current process group."""
     import torch
 
+    from ..engine import STATE
+
+    generation = STATE.spec.generation if STATE.spec else None
     found = {"model": {}, "optimizer": {}, "scheduler": {}, "dataloader": {}}
     for name, obj in namespace.items():
         if name.startswith("_") or not (getattr(obj, "_is_accelerate_prepared", False)
                                         or getattr(obj, "_workbench_instrumented", False)):
             continue
+        if getattr(obj, "_workbench_generation", generation) != generation:
+            continue  # prepared on a process group that has been rebuilt since: stale
         if isinstance(obj, torch.nn.Module):
             found["model"][name] = obj
         elif isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):
@@ -73,6 +79,13 @@ def set_rng_state(state: dict) -> None:
         numpy.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
+def _optimizer_key(name: str, model) -> str:
+    """``optimizer/<name>``; per stage for a pipeline stage (``@stage<i>``): DCP keeps one copy
+    of the param groups (flattened by index) for all ranks, but every stage has its own."""
+    stage = getattr(model, "stage_index", None)
+    return f"optimizer/{name}" if stage is None else f"optimizer/{name}@stage{stage}"
+
+
 class RankState:
     """This rank's checkpoint content, built from its namespace."""
 
@@ -98,7 +111,7 @@ class RankState:
             state[f"model/{name}"] = get_model_state_dict(model)
         for name, optimizer in self.objects["optimizer"].items():
             model = self.objects["model"][self.pairs[name]]
-            state[f"optimizer/{name}"] = get_optimizer_state_dict(model, optimizer.optimizer)
+            state[_optimizer_key(name, model)] = get_optimizer_state_dict(model, optimizer.optimizer)
         for name, scheduler in self.objects["scheduler"].items():
             state[f"scheduler/{name}"] = scheduler.state_dict()
         for name, loader in self.objects["dataloader"].items():
@@ -123,9 +136,9 @@ class RankState:
                 set_model_state_dict(model, loaded[f"model/{name}"])
                 restored.append(name)
         for name, optimizer in self.objects["optimizer"].items():
-            if f"optimizer/{name}" in loaded:
-                model = self.objects["model"][self.pairs[name]]
-                set_optimizer_state_dict(model, optimizer.optimizer, loaded[f"optimizer/{name}"])
+            model = self.objects["model"][self.pairs[name]]
+            if _optimizer_key(name, model) in loaded:
+                set_optimizer_state_dict(model, optimizer.optimizer, loaded[_optimizer_key(name, model)])
                 restored.append(name)
         for name, scheduler in self.objects["scheduler"].items():
             if f"scheduler/{name}" in loaded:

@@ -4,8 +4,9 @@
 training loop reports step time, throughput and communication time without
 user code:
 
-- DDP: a comm hook that wraps torch's own ``allreduce_hook`` and times each
-  bucket's all-reduce from launch to completion of its future;
+- DDP: a comm hook that wraps torch's own ``allreduce_hook`` (or the
+  ``--comm-hook`` chosen, :mod:`workbench.parallel.hooks`) and times each
+  bucket's communication from launch to completion of its future;
 - FSDP2: the all-gather and reduce-scatter of every FSDP module wrapped the
   same way (FSDP2's documented custom-comm extension point);
 - the model's forward counts samples (the first dimension of its first tensor);
@@ -57,10 +58,10 @@ class CommClock:
         return work
 
 
-def _timed_allreduce_hook(clock: CommClock):
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+def _timed_comm_hook(clock: CommClock, inner):
+    """A DDP comm hook that runs torch's ``inner`` hook and times it until its future is done."""
 
-    def hook(process_group, bucket):
+    def hook(state, bucket):
         start = time.perf_counter()
         clock.launched += 1
 
@@ -68,7 +69,7 @@ def _timed_allreduce_hook(clock: CommClock):
             clock.add(start, time.perf_counter())
             return fut.value()
 
-        return allreduce_hook(process_group, bucket).then(done)
+        return inner(state, bucket).then(done)
 
     return hook
 
@@ -144,7 +145,7 @@ def _track_position(loader) -> None:
     loader._update_state_dict, loader.begin, loader.end = counting_update, counting_begin, counting_end
 
 
-def instrument(obj, logger) -> None:
+def instrument(obj, logger, options=None) -> None:
     """Add workbench's measurements to one object returned by ``accelerator.prepare``."""
     if getattr(obj, "_workbench_instrumented", False):
         return
@@ -155,7 +156,10 @@ def instrument(obj, logger) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         if isinstance(obj, DistributedDataParallel) and not obj._comm_hooks:
-            obj.register_comm_hook(None, _timed_allreduce_hook(logger.comm))
+            from ..parallel.hooks import comm_hook
+
+            state, inner = comm_hook(options.comm_hook if options is not None else None)
+            obj.register_comm_hook(state, _timed_comm_hook(logger.comm, inner))
         elif isinstance(obj, FSDPModule):
             _wrap_fsdp_comms(obj, logger.comm)
         obj.register_forward_pre_hook(_count_samples(logger), with_kwargs=True)
@@ -181,11 +185,43 @@ def accelerator_class():
         from .logger import LOGGER
 
         class WorkbenchAccelerator(Accelerator):
+            workbench_options = None  # the cell's CellOptions (set by strategies.build_accelerator)
+            workbench_mesh = None  # the DeviceMesh of hsdp / --tp / --pp
+
             def prepare(self, *args, **kwargs):
+                options = self.workbench_options
+                if options is not None and (options.custom_parallel or options.activation_checkpointing):
+                    args = self._parallelize(args)
                 result = super().prepare(*args, **kwargs)
+                from ..engine import STATE
+
                 for obj in result if isinstance(result, (tuple, list)) else (result,):
-                    instrument(obj, LOGGER)
+                    instrument(obj, LOGGER, options)
+                    try:  # bound to this process group: checkpoints skip it once the group is rebuilt
+                        obj._workbench_generation = STATE.spec.generation if STATE.spec else None
+                    except AttributeError:
+                        pass
                 return result
+
+            def _parallelize(self, args):
+                """Models through :func:`workbench.parallel.prepare_model`; optimizers pointed at
+                the new parameters (also when model and optimizer come in separate calls)."""
+                import torch
+
+                from ..parallel.model import prepare_model, swap_optimizer_params
+
+                swapped = self.__dict__.setdefault("_workbench_swapped", {})
+                out = []
+                for obj in args:
+                    if isinstance(obj, torch.nn.Module) and not getattr(obj, "_workbench_parallel", False):
+                        obj, moved = prepare_model(obj, self.workbench_options, self.workbench_mesh, self.device)
+                        obj._workbench_parallel = True
+                        swapped.update(moved)
+                    out.append(obj)
+                for obj in out:
+                    if isinstance(obj, torch.optim.Optimizer):
+                        swap_optimizer_params(obj, swapped)
+                return out
 
         _ACCELERATOR_CLASS = WorkbenchAccelerator
     return _ACCELERATOR_CLASS

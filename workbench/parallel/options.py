@@ -55,8 +55,9 @@ def check_parallel(options, world: int | None, nodes: int = 1) -> None:
         raise OptionsError("combine at most one of --strategy hsdp, --tp and --pp in a cell")
     if options.pp > 1 and options.strategy not in ("ddp", "none"):
         raise OptionsError(f"--pp puts one stage on each rank; --strategy {options.strategy} cannot shard a stage too")
-    if options.pp > 1 and options.mixed_precision != "no":
-        raise OptionsError("--pp runs stages in full precision; drop --mixed-precision")
+    if (options.pp > 1 or options.tp > 1) and options.mixed_precision != "no":
+        raise OptionsError("--tp and --pp run in full precision for now; drop --mixed-precision "
+                           "(hsdp takes --mixed-precision bf16)")
     if options.schedule == "1f1b" and options.microbatches < options.pp:
         raise OptionsError(f"--schedule 1f1b needs at least as many microbatches as stages "
                            f"(--microbatches {options.microbatches} < --pp {options.pp})")

@@ -1,0 +1,17 @@
+"""Parallelism beyond accelerate's DDP/FSDP, from ``%%distributed`` flags.
+
+- ``--comm-hook fp16|bf16|powersgd[:R]``: torch's DDP communication hooks
+  (:mod:`.hooks`), timed like the default all-reduce;
+- ``--strategy hsdp --mesh RxS``: FSDP2 on a 2-D mesh, replicate x shard;
+- ``--tp N``: ``torch.distributed.tensor.parallel`` on a dp x tp mesh (:mod:`.tensor`);
+- ``--pp N``: ``torch.distributed.pipelining`` stages and schedules (:mod:`.pipeline`);
+- ``--activation-checkpointing``: torch's checkpoint wrapper on each block.
+
+:func:`prepare_model` applies these in ``accelerator.prepare``
+(:mod:`workbench.metrics.instrument`); accelerate then only places the model,
+and wraps optimizers, schedulers and dataloaders as usual.
+"""
+
+from .model import blocks, build_mesh, prepare_model
+
+__all__ = ["blocks", "build_mesh", "prepare_model"]

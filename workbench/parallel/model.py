@@ -1,0 +1,100 @@
+"""Shard, split or checkpoint a model as a cell's parallelism flags ask, on every rank."""
+
+from __future__ import annotations
+
+import weakref
+
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def build_mesh(options, world_size: int, nodes: int, device_type: str):
+    """The DeviceMesh of hsdp (replicate, shard), --tp (dp, tp) or --pp (pp); None otherwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if options.strategy == "hsdp":
+        return init_device_mesh(device_type, options.mesh_shape(world_size, nodes),
+                                mesh_dim_names=("replicate", "shard"))
+    if options.tp > 1:
+        return init_device_mesh(device_type, (world_size // options.tp, options.tp), mesh_dim_names=("dp", "tp"))
+    if options.pp > 1:
+        return init_device_mesh(device_type, (options.pp,), mesh_dim_names=("pp",))
+    return None
+
+
+def blocks(model) -> list:
+    """The model's repeated blocks: the items of its ``nn.ModuleList`` s (transformer layers),
+    else the children of a top-level ``nn.Sequential`` that hold parameters."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if lists:
+        return [block for layer_list in lists for block in layer_list]
+    if isinstance(model, torch.nn.Sequential):
+        return [child for child in model.children() if any(True for _ in child.parameters())]
+    return []
+
+
+def checkpoint_activations(model) -> int:
+    """Recompute each block's activations in backward (torch's checkpoint wrapper); returns how many."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    chosen = {id(b) for b in blocks(model)}
+    if not chosen:
+        raise ValueError("--activation-checkpointing found no blocks to wrap: give the model an nn.ModuleList of "
+                         "layers, or make it an nn.Sequential")
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in chosen)
+    return len(chosen)
+
+
+def _hsdp(model, mesh, mixed_precision: str) -> None:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if mixed_precision == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def prepare_model(model, options, mesh, device):
+    """Apply ``--tp``, ``--activation-checkpointing``, then hsdp / FSDP over tp's dp / ``--pp``
+    (torchtitan's order) to ``model``. Returns the model to use (for --pp, this rank's
+    stage) and ``{id(old parameter): new parameter, or None when it lives on another
+    stage}`` (with a weak reference to the old one) for optimizers built before."""
+    from torch.distributed.fsdp import fully_shard
+
+    before = {name.replace(CHECKPOINT_PREFIX, ""): p for name, p in model.named_parameters()}
+    if options.tp > 1:
+        from .tensor import tensor_parallel
+
+        tensor_parallel(model, mesh)
+    if options.activation_checkpointing:
+        checkpoint_activations(model)
+    if options.strategy == "hsdp":
+        _hsdp(model, mesh, options.mixed_precision)
+    elif options.tp > 1 and mesh["dp"].size() > 1:
+        fully_shard(model, mesh=mesh["dp"])
+    elif options.pp > 1:
+        from .pipeline import PipelinedModel
+
+        model = PipelinedModel(model, options, mesh, device)
+    after = {name.replace(CHECKPOINT_PREFIX, "").removeprefix("stage."): p for name, p in model.named_parameters()}
+    return model, {id(p): (weakref.ref(p), after.get(name)) for name, p in before.items()}
+
+
+def swap_optimizer_params(optimizer, swapped: dict) -> None:
+    """Point an optimizer built on the original parameters at the prepared ones (drop
+    those that went to another pipeline stage). ``swapped``: from :func:`prepare_model`;
+    its weak references make sure an id is not that of a parameter since freed."""
+
+    def new(p):
+        ref, replacement = swapped.get(id(p), (None, p))
+        return replacement if ref is None or ref() is p else p
+
+    for group in optimizer.param_groups:
+        group["params"] = [new(p) for p in group["params"] if new(p) is not None]
