@@ -27,8 +27,10 @@ def _help(kernel, code):
 def test_help_text_on_every_magic(kernel):
     text = _help(kernel, "%fleet?")
     assert "%fleet start" in text and "--gpus" in text and "%fleet stop" in text
+    assert "--launcher local|mpi|slurm|pbs|ssh" in text and "--memory-limit" in text and "--spares" in text
     text = _help(kernel, "%%distributed?")
     assert "--strategy" in text and "--mixed-precision" in text and "accelerator" in text
+    assert "--comm-hook" in text and "--tp N" in text and "--pp N" in text and "--activation-checkpointing" in text
 
 
 def test_distributed_without_a_fleet(kernel):
@@ -45,6 +47,11 @@ def test_distributed_without_a_fleet(kernel):
         ("%fleet start --backend carrier-pigeon", "unknown backend"),
         ("%fleet frobnicate", "invalid choice"),
         ("%fleet", "needs a command"),
+        ("%fleet start -n 2 --launcher slurm --launcher-option bogus=1", "has no option 'bogus'"),
+        ("%fleet start -n 2 --launcher yarn", "unknown launcher"),
+        ("%fleet start -n 2 --memory-limit lots", "size like 4G"),
+        ("%fleet start --launcher mpi", "needs -n"),
+        ("%fleet start -n 2 --partition gpu", "option of a cluster launcher"),
     ],
 )
 def test_bad_start_input_is_one_line(kernel, line, hint):

@@ -28,6 +28,7 @@ class RankState:
         self.cells = 0
         self.run_dir: str | None = None  # the fleet run's folder (checkpoints live under it)
         self.in_user_code = False
+        self.memory_limit: int | None = None  # bytes (--memory-limit)
 
     def joined(self, spec, device, pg_sockets: set) -> None:
         self.spec, self.device, self.pg_sockets = spec, device, pg_sockets
@@ -99,7 +100,44 @@ def _failure(exc: BaseException, skip_frames: int) -> dict:
         if tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    return {"ok": False, "ename": type(exc).__name__, "evalue": str(exc), "traceback": text}
+    evalue = str(exc)
+    if _over_memory_limit(exc):
+        note = (f"this rank's memory limit ({STATE.memory_limit / 2**30:.3g} GiB, --memory-limit) was reached; "
+                "lower the batch or model size, or raise the limit")
+        evalue, text = f"{evalue} [{note}]", f"{text.rstrip()}\nMemoryLimit: {note}\n"
+    return {"ok": False, "ename": type(exc).__name__, "evalue": evalue, "traceback": text}
+
+
+def _over_memory_limit(exc: BaseException) -> bool:
+    if STATE.memory_limit is None:
+        return False
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
+def limit_memory(limit: int | None, cpu: bool = True) -> None:
+    """``--memory-limit``: on a CPU engine its address space (``RLIMIT_AS``: allocations past it
+    fail with MemoryError, the process lives on); on a GPU engine, once it has its GPU, its
+    share of that GPU's memory (``torch.cuda.set_per_process_memory_fraction``; an address
+    space limit would break CUDA's large mappings)."""
+    import resource
+
+    STATE.memory_limit = limit
+    if limit is not None and cpu:
+        _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    apply_memory_limit()
+
+
+def apply_memory_limit() -> None:
+    """The GPU half of :func:`limit_memory`, once the rank's device is known."""
+    torch = sys.modules.get("torch")
+    if STATE.memory_limit is None or torch is None or STATE.device is None or STATE.device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(STATE.device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, STATE.memory_limit / total), STATE.device)
 
 
 def _format(value: Any) -> dict:
@@ -208,10 +246,12 @@ def warm() -> None:
     from . import checkpoint, strategies  # noqa: F401
 
 
-def attach(metrics_address: str, run_dir: str) -> None:
-    """Join the fleet run: metrics go to the kernel's collector, checkpoints under ``run_dir``."""
+def attach(metrics_address: str, run_dir: str, memory_limit: int | None = None, cpu: bool = True) -> None:
+    """Join the fleet run: metrics go to the kernel's collector, checkpoints under ``run_dir``,
+    and ``memory_limit`` bytes at most (:func:`limit_memory`)."""
     STATE.run_dir = run_dir
     LOGGER.attach(metrics_address)
+    limit_memory(memory_limit, cpu)
 
 
 def to_cpu(value: Any) -> Any:

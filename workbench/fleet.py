@@ -28,6 +28,7 @@ from . import engine, execution, rendezvous
 from .checkpoint.control import Checkpoints
 from .devices import EngineSlot, parse_gpu_list, plan_engines
 from .errors import FleetError, OptionsError
+from .launchers import LauncherSpec, parse_size
 from .metrics.live import FleetMetrics
 from .output import ProgressLine
 from .reaper import write_pids
@@ -77,11 +78,32 @@ class Fleet:
         max_restarts: int = 3,
         hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
         spares: int = 0,
+        launcher: str = "local",
+        launcher_options: dict | None = None,
+        launcher_config: str | None = None,
+        profile: str | None = None,
+        cluster_id: str | None = None,
+        memory_limit: str | int | None = None,
     ) -> None:
         if isinstance(gpus, str):
             gpus = parse_gpu_list(gpus)
-        self._slots = plan_engines(n, gpus, cpu=cpu)
-        self.device_type = self._slots[0].device_type
+        self.launcher = LauncherSpec(launcher, dict(launcher_options or {}), launcher_config)
+        self.profile, self.cluster_id = profile, cluster_id
+        self.attached = profile is not None or cluster_id is not None  # an ipcluster that is not ours
+        if self.launcher.name != "local" or self.attached:
+            if gpus:
+                raise OptionsError("--gpus picks GPUs of this machine; with a cluster launcher the scheduler "
+                                   "assigns them (each engine takes the GPU of its local rank)")
+            if n is None and not self.attached:
+                raise OptionsError(f"--launcher {launcher} needs -n (how many engines to start)")
+            self._slots = [EngineSlot(i) for i in range(n or 0)]
+            self.device_type = "cuda" if backend == "nccl" else "cpu"
+        else:
+            self._slots = plan_engines(n, gpus, cpu=cpu)
+            self.device_type = self._slots[0].device_type
+        self.memory_limit = parse_size(memory_limit)
+        # extra environment of the engine of a slot: e.g. WORKBENCH_HOSTNAME to simulate nodes in tests
+        self.slot_environment: dict[int, dict[str, str]] = {}
         if backend is not None and backend not in BACKENDS and ":" not in backend:
             raise OptionsError(f"unknown backend {backend!r}; use one of: {', '.join(BACKENDS)}")
         self.backend = backend or ("nccl" if self.device_type == "cuda" else "gloo")
@@ -146,18 +168,24 @@ class Fleet:
                 {"ranks": len(self._slots), "backend": self.backend, "device_type": self.device_type},
                 wandb=self.wandb,
             )
-            progress.show("fleet: starting controller…")
-            self._cluster = ipp.Cluster(
-                profile_dir=os.path.join(self.runtime_dir, "profile"),
-                log_level=logging.ERROR,  # start-up failures are reported by us
-                engine_timeout=self.engine_timeout,
-            )
-            self._cluster.start_controller_sync()
-            self._start_reaper()
-            sets = {self._launch(slot): slot for slot in self._slots}
-            self.client = self._cluster.connect_client_sync()
-            self._wait_for_engines(sets, progress, started)
-            self._map_members(sets)
+            if self.attached:
+                progress.show("fleet: connecting to the running cluster…")
+                self._attach()
+            else:
+                progress.show(f"fleet: starting controller ({self.launcher.name} engines)…")
+                self._cluster = ipp.Cluster(
+                    profile_dir=os.path.join(self.runtime_dir, "profile"),
+                    log_level=logging.ERROR,  # start-up failures are reported by us
+                    engine_timeout=self.engine_timeout,
+                    **self.launcher.cluster_kwargs(),
+                )
+                self.launcher.configure(self._cluster)
+                self._cluster.start_controller_sync()
+                self._start_reaper()
+                sets = {self._launch(slot): slot for slot in self._slots}
+                self.client = self._cluster.connect_client_sync()
+                self._wait_for_engines(sets, progress, started)
+                self._map_members(sets)
             self._launch_spares(self.spares_wanted)
             progress.show(f"fleet: {len(self.members)} engines up; joining process group ({self.backend})…")
             self.rendezvous()
@@ -174,7 +202,10 @@ class Fleet:
     def stop(self) -> None:
         """Stop every engine and the controller; nothing is left running."""
         client, cluster = self.client, self._cluster
-        processes = _process_trees([m.pid for m in self.members + self.spares])
+        processes = _process_trees([m.pid for m in self.members + self.spares if not self.attached])
+        if self.attached:  # the cluster is the user's: leave its engines and controller running
+            self._detach()
+            client, cluster = None, None
         self.client, self._cluster, self.members, self.spares = None, None, [], []
         self._pending_spares, self._identities = {}, {}
         if self.metrics is not None:
@@ -224,6 +255,7 @@ class Fleet:
     # ------------------------------------------------------------------ engines
     def _launch(self, slot: EngineSlot) -> str:
         env = {
+            **self.launcher.environment(),
             "WORKBENCH_SLOT": str(slot.slot),
             "OMP_NUM_THREADS": os.environ.get(
                 "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self._slots)))
@@ -232,6 +264,7 @@ class Fleet:
         }
         if slot.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = slot.gpu
+        env.update(self.slot_environment.get(slot.slot, {}))
         self._set_counter += 1
         set_id = f"slot{slot.slot}-{self._set_counter}"
         self._cluster.start_engines_sync(n=1, engine_set_id=set_id, environment=env)
@@ -288,10 +321,19 @@ class Fleet:
             self.members.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
             new_ids.append(engine_id)
         self._renumber()
-        self.client[new_ids].apply_sync(engine.attach, self.metrics.address, self.run_dir)
+        self._attach_engines(new_ids)
+
+    def _attach_engines(self, engine_ids: list[int]) -> None:
+        """New engines join the run: metrics to the collector, checkpoints under the run, memory limit."""
+        self.client[engine_ids].apply_sync(engine.attach, self.metrics.address, self.run_dir, self.memory_limit,
+                                           self.device_type == "cpu")
 
     def _renumber(self) -> None:
-        self.members.sort(key=lambda m: m.slot.slot)
+        """Ranks in slot order, grouped by host (a host's ranks are consecutive, as torchrun numbers them)."""
+        first_slot: dict[str, int] = {}
+        for member in self.members:
+            first_slot[member.host] = min(first_slot.get(member.host, member.slot.slot), member.slot.slot)
+        self.members.sort(key=lambda m: (first_slot[m.host], m.slot.slot))
         for rank, member in enumerate(self.members):
             member.rank = rank
         self._record_pids()
@@ -328,7 +370,7 @@ class Fleet:
                 del self._pending_spares[set_id]
         if adopted:
             self._record_pids()
-            self.client[adopted].apply_sync(engine.attach, self.metrics.address, self.run_dir)
+            self._attach_engines(adopted)
             self.client[adopted].apply_async(engine.warm)
 
     def _take_spares(self, slots: list[EngineSlot]) -> list[EngineSlot]:
@@ -346,7 +388,42 @@ class Fleet:
             self._launch_spares(taken)
         return slots
 
+    def _attach(self) -> None:
+        """Use the engines of an ipcluster that is already running (``--profile`` / ``--cluster-id``)."""
+        import ipyparallel as ipp
+
+        try:
+            self._cluster = ipp.Cluster.from_file(profile=self.profile or "default", cluster_id=self.cluster_id or "")
+        except Exception as exc:
+            raise FleetError(f"no running cluster for profile {self.profile or 'default'!r} and cluster id "
+                             f"{self.cluster_id or ''!r} ({_one_line(exc)}); start one with ipcluster start") from None
+        self.client = self._cluster.connect_client_sync()
+        deadline = time.monotonic() + self.engine_timeout
+        while not self.client.ids or (self._slots and len(self.client.ids) < len(self._slots)):
+            if time.monotonic() > deadline:
+                raise FleetError(f"the cluster has {len(self.client.ids)} engines registered, fewer than asked")
+            time.sleep(0.1)
+        self._identify_new()
+        ids = sorted(self._identities)[: len(self._slots) or None]
+        for i, engine_id in enumerate(ids):
+            info = self._identities[engine_id]
+            self.members.append(Member(-1, EngineSlot(i), engine_id, info["pid"], info["host"], ""))
+        self._renumber()
+        self._attach_engines(ids)
+
+    def _detach(self) -> None:
+        try:
+            self.client[self.engine_ids()].apply_sync(rendezvous.leave)
+        except Exception:
+            pass
+        try:
+            self.client.close()
+        except Exception:
+            pass
+
     def _record_pids(self) -> None:
+        if self.attached:
+            return  # not ours to kill
         pids = [m.pid for m in self.members + self.spares]
         controller = getattr(self._cluster, "controller", None)
         if controller is not None and getattr(controller, "pid", -1) > 0:
@@ -417,11 +494,13 @@ class Fleet:
         addr = rendezvous.LOOPBACK if single_host else rank0.apply_sync(rendezvous.host_address)
         store = os.path.join(self.runtime_dir, f"store-{self.generation}") if single_host else None
         pending = []
+        host_order = list(dict.fromkeys(m.host for m in self.members))  # ranks are grouped by host
         for member in self.members:
             peers = [m for m in self.members if m.host == member.host]
             spec = rendezvous.RendezvousSpec(
                 rank=member.rank, world_size=self.world_size,
                 local_rank=peers.index(member), local_world_size=len(peers),
+                node_rank=host_order.index(member.host), nodes=len(host_order),
                 master_addr=addr, master_port=port, backend=self.backend,
                 timeout_s=self.pg_timeout, generation=self.generation, store_path=store,
             )

@@ -95,6 +95,15 @@ def _fleet_parser() -> _Parser:
     start.add_argument("--auto-recover", action="store_true",
                        help="when an engine dies in a cell: recover and run the cell again")
     start.add_argument("--max-restarts", type=_count, default=3, help="auto-recover budget (default 3)")
+    start.add_argument("--launcher", default="local", help="local|mpi|slurm|pbs|ssh: ipyparallel's launchers")
+    start.add_argument("--launcher-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="an option of the launcher, by its ipyparallel name (repeatable)")
+    start.add_argument("--launcher-config", default=None, help="a traitlets config file for the launcher")
+    for name in ("partition", "time", "account", "qos"):
+        start.add_argument(f"--{name}", default=None, help=f"batch {name} (slurm/pbs)")
+    start.add_argument("--profile", default=None, help="attach to a running ipcluster of this profile")
+    start.add_argument("--cluster-id", default=None, help="attach to the running ipcluster with this id")
+    start.add_argument("--memory-limit", default=None, help="per engine, e.g. 4G (CPU: address space; GPU: memory)")
     start.add_argument("--spares", type=_count, default=0,
                        help="warm engines kept ready outside the group: scale up and recovery take one at once")
     start.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S,
@@ -161,13 +170,28 @@ class _RankValue:
         return self.bundle.get("text/plain", "")
 
 
+def _launcher_options(args) -> dict:
+    from .launchers import parse_options
+
+    options = parse_options(args.launcher_option)
+    options.update({name: getattr(args, name) for name in ("partition", "time", "account", "qos")
+                    if getattr(args, name) is not None})
+    return options
+
+
 def _status_table(rows: list[dict]) -> str:
+    """The ranks' table; with several hosts, grouped under a line per host (its node rank)."""
     if not rows:
         return "no fleet is running; start one with %fleet start -n 2"
     columns = ["rank", "engine", "pid", "host", "device", "state", "memory"]
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
     lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
-    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows]
+    hosts = list(dict.fromkeys(r["host"] for r in rows))
+    for node, host in enumerate(hosts):
+        mine = [r for r in rows if r["host"] == host]
+        if len(hosts) > 1:
+            lines.append(f"node {node}: {host} ({len(mine)} rank{'s' if len(mine) > 1 else ''})")
+        lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in mine]
     return "\n".join(lines)
 
 
@@ -179,13 +203,23 @@ class WorkbenchMagics(Magics):
         """Manage the engine fleet: one ipyparallel engine per rank (per GPU).
 
         %fleet start [-n N] [--gpus 0,2] [--cpu] [--backend gloo|nccl|mpi] [--pg-timeout S] [--no-wandb]
-                     [--auto-recover [--max-restarts K]]
+                     [--auto-recover [--max-restarts K]] [--hang-timeout S] [--spares K]
+                     [--memory-limit SIZE] [--launcher local|mpi|slurm|pbs|ssh
+                     [--partition P] [--time T] [--account A] [--qos Q]
+                     [--launcher-option KEY=VALUE ...] [--launcher-config FILE]]
+                     [--profile NAME | --cluster-id ID]
             Start N engines (default: one per visible GPU, or 2 CPU engines) and
             join them in a torch.distributed process group (gloo on CPU, nccl on GPU).
             The run's files go to ./workbench-runs/<run-id>/ (metrics.jsonl, wandb/).
             --auto-recover: when an engine dies during a cell, replace it, replay the
             --setup cells, restore the latest checkpoint and run the cell again
-            (at most K times, default 3).
+            (at most K times, default 3). --hang-timeout: a rank with no heartbeat, or
+            no progress, that long is hung (default 300 s, 0: off). --spares: warm
+            engines kept ready for scale-up and recovery. --memory-limit: per engine
+            (CPU: address space; GPU: share of its GPU); going over it is that rank's
+            error. --launcher starts the engines through ipyparallel's MPI, Slurm,
+            PBS or SSH launcher (options pass through by name); --profile /
+            --cluster-id use the engines of an ipcluster that is already running.
         %fleet status
             Table of rank, engine id, pid, host, device, state and memory.
         %fleet scale N
@@ -216,7 +250,9 @@ class WorkbenchMagics(Magics):
             fleet = Fleet(n=args.n, gpus=args.gpus, cpu=args.cpu, backend=args.backend, pg_timeout=args.pg_timeout,
                           wandb=False if args.no_wandb else None, auto_recover=args.auto_recover,
                           max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
-                          spares=args.spares)
+                          spares=args.spares, launcher=args.launcher, launcher_options=_launcher_options(args),
+                          launcher_config=args.launcher_config, profile=args.profile, cluster_id=args.cluster_id,
+                          memory_limit=args.memory_limit)
             _current = fleet.start()
             print(f"fleet: run {fleet.run_id} in {fleet.run_dir}")
             return None

@@ -31,6 +31,8 @@ class RendezvousSpec:
     timeout_s: float
     generation: int
     store_path: str | None = None  # FileStore for single-host fleets
+    node_rank: int = 0  # this rank's host, in the order of the hosts' first ranks
+    nodes: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,7 +43,7 @@ def identify() -> dict:
     return {
         "slot": int(os.environ.get("WORKBENCH_SLOT", "-1")),
         "pid": os.getpid(),
-        "host": socket.gethostname(),
+        "host": hostname(),
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
 
@@ -53,8 +55,15 @@ def free_port(loopback: bool = True) -> int:
         return sock.getsockname()[1]
 
 
+def hostname() -> str:
+    """This engine's host name; ``WORKBENCH_HOSTNAME`` overrides it (simulated nodes in tests)."""
+    return os.environ.get("WORKBENCH_HOSTNAME") or socket.gethostname()
+
+
 def host_address() -> str:
-    """An address of this host that other hosts can reach."""
+    """An address of this host that other hosts can reach (loopback for a simulated node)."""
+    if os.environ.get("WORKBENCH_HOSTNAME"):
+        return LOOPBACK
     return socket.gethostbyname(socket.getfqdn())
 
 
@@ -72,6 +81,8 @@ def join(spec: dict) -> dict:
         WORLD_SIZE=str(spec.world_size),
         LOCAL_RANK=str(spec.local_rank),
         LOCAL_WORLD_SIZE=str(spec.local_world_size),
+        NODE_RANK=str(spec.node_rank),
+        GROUP_RANK=str(spec.node_rank),  # torchrun's name for it
         MASTER_ADDR=spec.master_addr,
         MASTER_PORT=str(spec.master_port),
     )
@@ -79,8 +90,9 @@ def join(spec: dict) -> dict:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if os.environ.get("CUDA_VISIBLE_DEVICES") and torch.cuda.is_available():
-        # each engine sees exactly one GPU, so it is always cuda:0 here
-        device = torch.device("cuda", 0)
+        # a local fleet gives each engine exactly one GPU (cuda:0); engines started by a cluster
+        # launcher see the node's GPUs and take the one of their local rank
+        device = torch.device("cuda", spec.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     elif os.environ.get("CUDA_VISIBLE_DEVICES"):
         raise RuntimeError(
@@ -98,6 +110,7 @@ def join(spec: dict) -> dict:
     else:
         dist.init_process_group(init_method=f"tcp://{spec.master_addr}:{spec.master_port}", **kwargs)
     engine.STATE.joined(spec, device, _tcp_connections() - before)
+    engine.apply_memory_limit()
     return {"rank": spec.rank, "device": str(device), "backend": dist.get_backend()}
 
 

@@ -1,0 +1,136 @@
+"""Fleets through ipyparallel's launchers (MPI, a real local Slurm), a running ipcluster,
+two simulated nodes, and per-engine memory limits."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import fleet_processes, wait_until_gone
+
+from workbench import Fleet, OptionsError
+from workbench.launchers import LauncherSpec, parse_options, parse_size
+
+DDP_CELL = """
+import torch
+model = torch.nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = accelerator.prepare(model, optimizer)
+loss = model(torch.randn(4, 8) + rank).pow(2).mean()
+accelerator.backward(loss); optimizer.step()
+type(model).__name__, world_size, float(model.module.weight.grad.sum()) if hasattr(model, "module") else None
+"""
+
+
+def test_launcher_options_are_checked_against_ipyparallel():
+    spec = LauncherSpec("slurm", {"partition": "gpu", "time": "01:00:00", "account": "ml"})
+    assert spec.traits == {"queue": "gpu", "timelimit": "01:00:00", "account": "ml"}
+    assert spec.launcher_class().__name__ == "SlurmEngineSetLauncher"
+    assert spec.cluster_kwargs() == {"engines": "slurm", "controller_ip": "*"}
+    assert LauncherSpec("mpi").cluster_kwargs() == {"engines": "mpi"}  # engines on this host: localhost only
+    with pytest.raises(OptionsError, match="has no option 'bogus'; it knows: account"):
+        LauncherSpec("slurm", {"bogus": "1"})
+    with pytest.raises(OptionsError, match="unknown launcher 'yarn'"):
+        LauncherSpec("yarn")
+    with pytest.raises(OptionsError, match="option of a cluster launcher"):
+        LauncherSpec("local", {"partition": "x"})
+    assert parse_options(["qos=high", "mpi_args=--bind-to none"]) == {"qos": "high", "mpi_args": ["--bind-to", "none"]}
+    with pytest.raises(OptionsError, match="KEY=VALUE"):
+        parse_options(["qos"])
+    assert parse_size("4G") == 4 * 2**30 and parse_size("512MiB") == 512 * 2**20 and parse_size(None) is None
+    with pytest.raises(OptionsError, match="below 1 MiB"):
+        parse_size("4")
+    with pytest.raises(OptionsError, match="needs -n"):
+        Fleet(launcher="slurm")
+    with pytest.raises(OptionsError, match="the scheduler assigns them"):
+        Fleet(n=2, launcher="slurm", gpus="0,1")
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no MPI here (.ci/run installs openmpi-bin)")
+def test_mpi_launcher_runs_a_ddp_cell_and_leaves_nothing():
+    before = {p.pid for p in fleet_processes()}
+    with Fleet(n=2, launcher="mpi", progress=False, wandb=False) as fleet:
+        got = fleet.run(DDP_CELL, show_output=False)
+        assert [g[:2] for g in got] == [("DistributedDataParallel", 2)] * 2
+        assert got[0][2] == got[1][2], "gradients were averaged across the ranks"
+        launched = fleet.run("import os; os.environ.get('OMPI_COMM_WORLD_SIZE')", show_output=False)
+        assert launched == ["1", "1"], "each rank is its own mpiexec -n 1"
+        pids = [m.pid for m in fleet.members]
+    assert not wait_until_gone(pids)
+    assert not [p for p in fleet_processes() if p.pid not in before and p.is_running()]
+    assert not [p for p in _processes("mpiexec", "orted")], "mpiexec is gone too"
+
+
+def _processes(*names):
+    import psutil
+
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] in names]
+
+
+def test_two_simulated_nodes_get_node_ranks_local_ranks_and_a_grouped_status():
+    fleet = Fleet(n=4, progress=False, wandb=False, memory_limit="6G")
+    # slots 0 and 2 on node-a, 1 and 3 on node-b: a node's ranks must come out consecutive
+    fleet.slot_environment = {0: {"WORKBENCH_HOSTNAME": "node-a"}, 1: {"WORKBENCH_HOSTNAME": "node-b"},
+                              2: {"WORKBENCH_HOSTNAME": "node-a"}, 3: {"WORKBENCH_HOSTNAME": "node-b"}}
+    with fleet:
+        env = fleet.run("import os; tuple(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', "
+                        "'NODE_RANK', 'WORKBENCH_SLOT'))", show_output=False)
+        assert env == [("0", "0", "2", "0", "0"), ("1", "1", "2", "0", "2"),
+                       ("2", "0", "2", "1", "1"), ("3", "1", "2", "1", "3")]
+        assert [m.host for m in fleet.members] == ["node-a", "node-a", "node-b", "node-b"]
+        assert fleet.run("local_rank", show_output=False) == [0, 1, 0, 1]
+        assert fleet.run("import torch; t = torch.ones(1); torch.distributed.all_reduce(t); t.item()",
+                         show_output=False) == [4.0] * 4, "the group spans both nodes (TCP rendezvous)"
+        from workbench.magics import _status_table
+
+        table = _status_table(fleet.status())
+        assert "node 0: node-a (2 ranks)" in table and "node 1: node-b (2 ranks)" in table
+        assert table.index("node-a (2") < table.index("node 1")
+
+        # --memory-limit: going over it is that rank's error, named as such; the fleet lives on
+        from workbench import DistributedCellError
+
+        with pytest.raises(DistributedCellError) as caught:
+            fleet.run("import torch\nif rank == 3:\n    big = torch.empty(2**31)  # 8 GiB\nrank", show_output=False)
+        report = caught.value.report()
+        assert "rank 3 of 4" in report and "memory limit (6 GiB, --memory-limit) was reached" in report, report
+        assert fleet.run("rank", show_output=False) == [0, 1, 2, 3]
+        assert fleet.run("import resource; resource.getrlimit(resource.RLIMIT_AS)[0]", show_output=False) == [
+            6 * 2**30] * 4
+
+
+@pytest.fixture
+def ipcluster(tmp_path, monkeypatch):
+    """A real ipcluster with 2 engines, started outside workbench, in its own IPython dir."""
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    env = {**os.environ, "IPYTHONDIR": str(tmp_path / "ipython")}
+    cmd = [sys.executable, "-m", "ipyparallel.cluster", "start", "-n", "2", "--profile", "wbtest", "--daemonize",
+           "--cluster-id", "attached"]
+    subprocess.run(cmd, env=env, check=True, timeout=60, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield
+    subprocess.run([sys.executable, "-m", "ipyparallel.cluster", "stop", "--profile", "wbtest", "--cluster-id",
+                    "attached"], env=env, timeout=60, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_attaching_to_a_running_ipcluster_uses_its_engines_and_leaves_them_running(ipcluster):
+    fleet = Fleet(profile="wbtest", cluster_id="attached", progress=False, wandb=False, engine_timeout=60)
+    with fleet:
+        assert fleet.world_size == 2
+        assert fleet.run("import torch; t = torch.ones(1); torch.distributed.all_reduce(t); t.item()",
+                         show_output=False) == [2.0, 2.0]
+        pids = [m.pid for m in fleet.members]
+    time.sleep(0.5)
+    assert all(_alive(p) for p in pids), "the cluster is the user's: its engines keep running"
+
+
+def _alive(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

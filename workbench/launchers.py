@@ -1,0 +1,121 @@
+"""Where engines start: ipyparallel's own launchers (local, MPI, Slurm, PBS, SSH).
+
+:class:`LauncherSpec` turns ``%fleet start --launcher NAME`` and its options
+into the ``ipp.Cluster`` arguments and the traitlets config of that
+launcher's engine-set class (``SlurmEngineSetLauncher.queue``, ...), so every
+option ipyparallel knows passes through by name; ``--launcher-config FILE``
+loads a traitlets config file (``c.SlurmEngineSetLauncher.timelimit = ...``).
+Each rank is still its own engine set: one ``mpiexec -n 1``, one batch job
+of one task, one ssh command, so a rank can be replaced or added alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .errors import OptionsError
+
+LAUNCHERS = ("local", "mpi", "slurm", "pbs", "ssh")
+REMOTE = ("slurm", "pbs", "ssh")  # engines may run on other hosts: the controller listens on the network
+# friendly option names -> the trait of each launcher's engine-set class
+SHORTCUTS = {
+    "partition": {"slurm": "queue", "pbs": "queue"},
+    "queue": {"slurm": "queue", "pbs": "queue"},
+    "time": {"slurm": "timelimit"},
+    "account": {"slurm": "account"},
+    "qos": {"slurm": "qos"},
+    "mpi_args": {"mpi": "mpi_args"},
+}
+
+
+@dataclass
+class LauncherSpec:
+    name: str = "local"
+    options: dict = field(default_factory=dict)
+    config_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in LAUNCHERS:
+            raise OptionsError(f"unknown launcher {self.name!r}; use one of: {', '.join(LAUNCHERS)}")
+        if self.config_file is not None and not os.path.isfile(self.config_file):
+            raise OptionsError(f"--launcher-config {self.config_file!r} is not a file")
+        self.traits = {self._trait(key): value for key, value in self.options.items()}
+
+    @property
+    def remote(self) -> bool:
+        return self.name in REMOTE
+
+    def launcher_class(self):
+        from ipyparallel.cluster.launcher import find_launcher_class
+
+        return find_launcher_class(self.name, "engine")
+
+    def _trait(self, key: str) -> str:
+        key = key.replace("-", "_")
+        trait = SHORTCUTS.get(key, {}).get(self.name, key)
+        if self.name == "local":
+            raise OptionsError(f"--{key.replace('_', '-')} is an option of a cluster launcher; add --launcher "
+                               "slurm|pbs|mpi|ssh")
+        known = self.launcher_class().class_traits(config=True)
+        if trait not in known:
+            raise OptionsError(f"the {self.name} launcher has no option {key!r}; it knows: "
+                               f"{', '.join(sorted(known))}")
+        return trait
+
+    def cluster_kwargs(self) -> dict:
+        """Arguments for ``ipp.Cluster``: the engine launcher, and for engines on other hosts a
+        controller that listens on the network (registration is still signed with the
+        cluster's key)."""
+        kwargs = {} if self.name == "local" else {"engines": self.name}
+        if self.remote:
+            kwargs["controller_ip"] = "*"
+        return kwargs
+
+    def configure(self, cluster) -> None:
+        """Put the options (and the config file) into ``cluster``'s config."""
+        if self.config_file is not None:
+            from traitlets.config.loader import PyFileConfigLoader
+
+            folder, name = os.path.split(os.path.abspath(self.config_file))
+            cluster.config.merge(PyFileConfigLoader(name, path=folder).load_config())
+        section = self.launcher_class().__name__
+        for trait, value in self.traits.items():
+            cluster.config[section][trait] = value
+
+    def environment(self) -> dict:
+        """Extra environment for the launcher: OpenMPI refuses root without these."""
+        if self.name == "mpi" and os.geteuid() == 0:
+            return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+        return {}
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """``["partition=gpu", "time=01:00:00"]`` → a dict (values stay strings, except lists
+    written as ``a,b`` for ``mpi_args``)."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise OptionsError(f"--launcher-option takes KEY=VALUE, e.g. --launcher-option qos=high (got {pair!r})")
+        options[key] = value.split() if key.replace("-", "_") == "mpi_args" else value
+    return options
+
+
+def parse_size(text) -> int | None:
+    """``"4G"``, ``"512M"``, ``"2GiB"`` or a number of bytes → bytes (None stays None)."""
+    if text is None:
+        return None
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        raw = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+        number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in units else (raw, "")
+        try:
+            value = int(float(number) * units[unit])
+        except ValueError:
+            raise OptionsError(f"--memory-limit takes a size like 4G or 512M (got {text!r})") from None
+    if value < 2**20:
+        raise OptionsError(f"--memory-limit {text!r} is below 1 MiB; write a unit, e.g. 4G")
+    return value
