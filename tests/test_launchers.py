@@ -134,3 +134,93 @@ def _alive(pid):
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+SLURM_CONF = """ClusterName=workbench-test
+SlurmctldHost={host}
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+AuthInfo=socket={dir}/munge.sock
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+ReturnToService=2
+MpiDefault=none
+NodeName={host} CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+"""
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def slurm(tmp_path, monkeypatch):
+    """A real Slurm on this machine: munged, slurmctld and slurmd (Debian's slurm-wlm), as root."""
+    import socket
+
+    if not all(shutil.which(t) for t in ("munged", "slurmctld", "slurmd", "sbatch")) or os.geteuid() != 0:
+        pytest.skip("needs root and Debian's slurm-wlm + munge (.ci/run installs them)")
+    folder = tmp_path / "slurm"
+    for sub in ("state", "spool"):
+        (folder / sub).mkdir(parents=True)
+    folder.chmod(0o700)
+    conf = folder / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=socket.gethostname(), ctld_port=_free_port(), d_port=_free_port(),
+                                      dir=folder, cpus=os.cpu_count()))
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    key = "/etc/munge/munge.key"
+    if not os.path.exists(key):
+        key = str(folder / "munge.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(key, 0o400)
+    subprocess.run(["munged", "--force", "-S", str(folder / "munge.sock"), f"--key-file={key}",
+                    f"--log-file={folder / 'munged.log'}", f"--pid-file={folder / 'munged.pid'}",
+                    f"--seed-file={folder / 'munged.seed'}"], check=True, timeout=30)
+    subprocess.run(["slurmctld"], check=True, timeout=30)
+    subprocess.run(["slurmd"], check=True, timeout=30)
+    deadline = time.monotonic() + 30
+    while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout:
+        assert time.monotonic() < deadline, (folder / "slurmctld.log").read_text()[-2000:]
+        time.sleep(0.5)
+    yield folder
+    for daemon in ("slurmd", "slurmctld"):
+        pid_file = folder / f"{daemon}.pid"
+        if pid_file.exists():
+            subprocess.run(["kill", pid_file.read_text().strip()], check=False)
+    subprocess.run(["munged", "-s", "-S", str(folder / "munge.sock")], check=False, timeout=30)
+
+
+def _jobs() -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True, timeout=30)
+    return out.stdout.split("\n")[:-1] if out.returncode == 0 else [f"squeue failed: {out.stderr}"]
+
+
+def test_slurm_launcher_runs_a_ddp_cell_in_batch_jobs_that_end_with_the_fleet(slurm):
+    with Fleet(n=2, launcher="slurm", launcher_options={"partition": "debug"}, progress=False, wandb=False) as fleet:
+        jobs = _jobs()
+        assert len(jobs) == 2 and all(j.endswith("RUNNING") for j in jobs), jobs
+        got = fleet.run(DDP_CELL, show_output=False)
+        assert [g[:2] for g in got] == [("DistributedDataParallel", 2)] * 2 and got[0][2] == got[1][2]
+        job_ids = fleet.run("import os; os.environ['SLURM_JOB_ID']", show_output=False)
+        assert set(job_ids) == {j.split()[0] for j in jobs}, "each rank runs in its own Slurm job"
+    deadline = time.monotonic() + 30
+    while _jobs() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _jobs() == [], "the jobs are gone after the fleet stopped"
