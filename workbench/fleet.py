@@ -531,7 +531,7 @@ class Fleet:
         return ranks
 
     def _validate(self, options: CellOptions, targets: list[int]) -> None:
-        options.validate(self.device_type, self.world_size, len({m.host for m in self.members}))
+        options.validate(self.device_type, self.world_size, len({m.host for m in self.members}), self.backend)
         if (options.custom_parallel or options.comm_hook) and len(targets) != self.world_size:
             raise OptionsError("hsdp, --tp, --pp and --comm-hook need every rank (they build the mesh or DDP "
                                "on the whole group); drop --ranks")

@@ -44,7 +44,8 @@ class CellOptions:
         replicate, _, shard = self.mesh.lower().partition("x")
         return int(replicate), int(shard)
 
-    def validate(self, device_type: str, world_size: int | None = None, nodes: int = 1) -> "CellOptions":
+    def validate(self, device_type: str, world_size: int | None = None, nodes: int = 1,
+                 backend: str | None = None) -> "CellOptions":
         """Raise :class:`OptionsError` for a combination that cannot work on ``device_type``
         (and, when ``world_size`` is given, on that many ranks)."""
         if self.strategy not in STRATEGIES:
@@ -64,7 +65,7 @@ class CellOptions:
             )
         from .parallel.options import check_parallel
 
-        check_parallel(self, world_size, nodes)
+        check_parallel(self, world_size, nodes, backend)
         return self
 
     def to_dict(self) -> dict:

@@ -28,7 +28,7 @@ def _whole(value, flag: str) -> None:
         raise OptionsError(f"{flag} must be a whole number >= 1 (got {value!r})")
 
 
-def check_parallel(options, world: int | None, nodes: int = 1) -> None:
+def check_parallel(options, world: int | None, nodes: int = 1, backend: str | None = None) -> None:
     """Raise :class:`OptionsError` for parallelism flags that do not fit together or the world."""
     from ..strategies import SCHEDULES
 
@@ -40,6 +40,11 @@ def check_parallel(options, world: int | None, nodes: int = 1) -> None:
         if options.strategy != "ddp" or options.custom_parallel:
             raise OptionsError("--comm-hook compresses DDP's gradient all-reduce: use it with --strategy ddp only "
                                "(FSDP/HSDP reduce-scatter and TP/PP have no DDP buckets)")
+        if backend == "gloo" and options.comm_hook.lower().startswith("powersgd"):
+            # torch's powerSGD_hook waits on gloo work inside future callbacks: with layers large enough
+            # to be compressed (e.g. 1024x256) a rank dies or the group hangs, also under torchrun
+            raise OptionsError("--comm-hook powersgd needs nccl: on gloo torch's PowerSGD hook crashes or hangs "
+                               "ranks once it compresses; on CPU use --comm-hook fp16 or bf16")
     if options.schedule not in SCHEDULES:
         raise OptionsError(f"unknown --schedule {options.schedule!r}; use one of: {', '.join(SCHEDULES)}")
     if options.mesh is not None:
