@@ -26,6 +26,20 @@ type(model).__name__, world_size, float(model.module.weight.grad.sum()) if hasat
 """
 
 
+def test_a_launcher_config_file_and_options_land_in_the_clusters_config(tmp_path):
+    import ipyparallel as ipp
+
+    config = tmp_path / "slurm_config.py"
+    config.write_text("c.SlurmEngineSetLauncher.timelimit = '02:00:00'\nc.SlurmEngineSetLauncher.qos = 'low'\n")
+    spec = LauncherSpec("slurm", {"qos": "high"}, str(config))
+    cluster = ipp.Cluster(profile_dir=str(tmp_path / "profile"), **spec.cluster_kwargs())
+    spec.configure(cluster)
+    section = cluster.config.SlurmEngineSetLauncher
+    assert section.timelimit == "02:00:00" and section.qos == "high", "options given by name win over the file"
+    with pytest.raises(OptionsError, match="is not a file"):
+        LauncherSpec("slurm", config_file=str(tmp_path / "missing.py"))
+
+
 def test_launcher_options_are_checked_against_ipyparallel():
     spec = LauncherSpec("slurm", {"partition": "gpu", "time": "01:00:00", "account": "ml"})
     assert spec.traits == {"queue": "gpu", "timelimit": "01:00:00", "account": "ml"}

@@ -36,6 +36,9 @@ def test_notebook_runs_headless(path, tmp_path):
     leftover = [p for p in fleet_processes() if p.pid not in before and p.is_running()]
     assert not leftover, [p.cmdline() for p in leftover]
     text = _outputs_text(nb)
+    artifacts = pathlib.Path(__file__).parent / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    (artifacts / f"{path.stem}.txt").write_text(text)  # what the notebook printed, to read when an assertion fails
     if path.name == "01_quickstart.ipynb":
         assert "[rank 0] epoch 0" in text and "[rank 1] epoch 4" in text
         assert "DDP   loss" in text and "FSDP  loss" in text

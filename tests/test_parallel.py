@@ -116,6 +116,31 @@ def test_tensor_parallel_transformer_matches_a_single_process_run(fleet):
         assert loss_diff < 1e-5 and weight_diff < 1e-5
 
 
+MLP_TP_CHECK = """
+import copy, torch
+from workbench.models import mlp, synthetic_batch
+torch.manual_seed(0)
+model = mlp(width=16, hidden=64, depth=1)          # Linear, ReLU, Linear: one colwise/rowwise pair
+reference = copy.deepcopy(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+model, optimizer = accelerator.prepare(model, optimizer)
+for step in range(3):
+    x, y = synthetic_batch(step, 8, 16)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+    ref = torch.nn.functional.mse_loss(reference(x), y)
+    ref.backward(); ref_optimizer.step(); ref_optimizer.zero_grad()
+[str(model[i].weight.placements[0]) for i in (0, 2)], abs(loss.item() - ref.item())
+"""
+
+
+def test_tensor_parallel_linear_pairs_of_a_sequential_match_a_single_process_run(fleet):
+    for placements, loss_diff in fleet.run(MLP_TP_CHECK, options=CellOptions(tp=2), show_output=False):
+        assert placements == ["S(0)", "S(1)"], "first Linear split by output, second by input"
+        assert loss_diff < 1e-5
+
+
 PP_CHECK = """
 import copy, torch
 from workbench.models import mlp, synthetic_batch
