@@ -142,11 +142,29 @@ loss.item()
 """
 
 
-def test_auto_recover_reruns_the_cell_and_reaches_the_uninterrupted_result(elastic):
+def _signal_during_training(fleet, target: int, pid: int, sig: int) -> dict:
+    """Run LOOP (with checkpoints) in a thread, send ``sig`` to ``pid`` 2 s in (past a checkpoint
+    or two, well before the end: 80 steps take > 4 s), and wait for the cell to end."""
     import os
-    import signal
     import threading
     import time
+
+    outcome = {}
+
+    def train():
+        outcome["loss"] = fleet.run(LOOP.format(target=target, save=True), strategy="fsdp", show_output=False)
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    time.sleep(2.0)
+    os.kill(pid, sig)
+    worker.join(120)
+    assert not worker.is_alive()
+    return outcome
+
+
+def test_auto_recover_reruns_the_cell_and_reaches_the_uninterrupted_result(elastic):
+    import signal
 
     fleet = elastic
     fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
@@ -156,18 +174,8 @@ def test_auto_recover_reruns_the_cell_and_reaches_the_uninterrupted_result(elast
     reference = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
     fleet.checkpoints.restore(start)
     fleet.auto_recover, fleet.max_restarts, fleet.restarts = True, 1, 0
-    outcome = {}
-
-    def train():
-        outcome["loss"] = fleet.run(LOOP.format(target=target, save=True), strategy="fsdp", show_output=False)
-
     try:
-        worker = threading.Thread(target=train)
-        worker.start()
-        time.sleep(2.0)  # past a checkpoint or two, well before the end (80 steps take > 4 s)
-        os.kill(fleet.member(1).pid, signal.SIGKILL)
-        worker.join(120)
-        assert not worker.is_alive()
+        outcome = _signal_during_training(fleet, target, fleet.member(1).pid, signal.SIGKILL)
     finally:
         fleet.auto_recover = False
     assert fleet.restarts == 1, "recovered once, then the cell ran again to the end"
@@ -204,28 +212,15 @@ def test_recover_with_shrink_goes_on_without_the_lost_rank(elastic):
 def test_a_frozen_rank_is_caught_by_its_heartbeat_and_auto_recovered(elastic):
     """SIGSTOP: the engine is alive (its process exists, ipyparallel still lists it) but
     does nothing. Its heartbeat stops; the rank is killed and replaced, and the cell runs again."""
-    import os
     import signal
-    import threading
-    import time
 
     fleet = elastic
     fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
     target = fleet.run("workbench.step", strategy="fsdp", show_output=False)[0] + 80
     frozen = fleet.member(1).pid
     fleet.auto_recover, fleet.max_restarts, fleet.restarts, fleet.hang_timeout = True, 1, 0, 3.0
-    outcome = {}
-
-    def train():
-        outcome["loss"] = fleet.run(LOOP.format(target=target, save=True), strategy="fsdp", show_output=False)
-
     try:
-        worker = threading.Thread(target=train)
-        worker.start()
-        time.sleep(2.0)
-        os.kill(frozen, signal.SIGSTOP)
-        worker.join(120)
-        assert not worker.is_alive()
+        outcome = _signal_during_training(fleet, target, frozen, signal.SIGSTOP)
     finally:
         fleet.auto_recover, fleet.hang_timeout = False, 300.0
     assert fleet.restarts == 1 and "loss" in outcome

@@ -352,6 +352,7 @@ class Fleet:
             return
         for slot in slots:
             self._pending_spares[self._launch(slot)] = slot
+        self._record_pids()
 
     def _adopt_spares(self) -> None:
         """Take spare engines that have registered since; drop spares that died."""
@@ -425,6 +426,10 @@ class Fleet:
         if self.attached:
             return  # not ours to kill
         pids = [m.pid for m in self.members + self.spares]
+        for set_id in self._pending_spares:  # not registered yet: the processes their launchers started
+            engine_set = self._cluster.engines.get(set_id) if self._cluster is not None else None
+            pids += [p for p in (getattr(lc, "pid", None) for lc in getattr(engine_set, "launchers", {}).values())
+                     if isinstance(p, int) and p > 0]
         controller = getattr(self._cluster, "controller", None)
         if controller is not None and getattr(controller, "pid", -1) > 0:
             pids.append(controller.pid)

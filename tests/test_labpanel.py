@@ -1,0 +1,116 @@
+"""The lab panel's server routes in a real Jupyter server: authentication on every route,
+and the runs, checkpoints and metrics of a real fleet run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from workbench import labpanel
+
+pytest.importorskip("jupyter_server")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def trained_run(fleet):
+    """The session fleet's run, with metrics and a checkpoint on disk."""
+    fleet.run("import torch\nmodel = torch.nn.Linear(4, 1)\noptimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+              "model, optimizer = accelerator.prepare(model, optimizer)\n"
+              "for _ in range(3):\n    workbench.log(loss=1.0 + rank)", show_output=False)
+    tag = fleet.checkpoints.save(tag="panel-test")
+    return fleet.run_id, tag, os.path.dirname(fleet.run_dir)
+
+
+@pytest.fixture(scope="module")
+def server(trained_run, tmp_path_factory):
+    _run_id, _tag, runs_root = trained_run
+    port, token = _free_port(), secrets.token_hex(16)
+    root = tmp_path_factory.mktemp("server-root")
+    # the config the wheel installs into etc/jupyter/jupyter_server_config.d enables the extension
+    config = root / "config" / "jupyter_server_config.d"
+    config.mkdir(parents=True)
+    shutil.copy(pathlib.Path(__file__).parent.parent / "extensions" / "jupyter-config" / "workbench.json", config)
+    env = {**os.environ, "WORKBENCH_RUNS_DIR": runs_root, "JUPYTER_CONFIG_DIR": str(root / "config"),
+           "JUPYTER_RUNTIME_DIR": str(root / "runtime"), "JUPYTER_DATA_DIR": str(root / "data")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except (urllib.error.URLError, ConnectionError):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+            time.sleep(0.3)
+    yield url, token
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _get(url: str, token: str | None = None):
+    request = urllib.request.Request(url, headers={"Authorization": f"token {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def _routes(run_id: str) -> list[str]:
+    """One concrete path for every route the extension registers."""
+    return [pattern.replace(f"({labpanel.RUN_ID})", run_id) for pattern, _ in labpanel.HANDLERS]
+
+
+def test_every_route_refuses_a_request_without_a_token(server, trained_run):
+    url, _token = server
+    for path in _routes(trained_run[0]):
+        status, _ = _get(f"{url}/{path}")
+        assert status == 403, f"/{path} answered {status} without authentication"
+
+
+def test_every_handler_method_is_decorated_with_tornados_authenticated():
+    for _pattern, handler in labpanel.HANDLERS:
+        for name in ("get", "post", "put", "patch", "delete"):
+            method = handler.__dict__.get(name)
+            if method is not None:
+                assert hasattr(method, "__wrapped__") and method.__code__.co_filename.endswith(
+                    os.path.join("tornado", "web.py")), f"{handler.__name__}.{name} lacks @web.authenticated"
+
+
+def test_routes_serve_the_runs_checkpoints_and_metrics_on_disk(server, trained_run):
+    url, token = server
+    run_id, tag, _root = trained_run
+    status, runs = _get(f"{url}/workbench/api/runs", token)
+    assert status == 200 and run_id in [r["id"] for r in runs["runs"]]
+    mine = next(r for r in runs["runs"] if r["id"] == run_id)
+    assert mine["metrics"] and mine["checkpoints"] >= 1
+    status, checkpoints = _get(f"{url}/workbench/api/runs/{run_id}/checkpoints", token)
+    row = next(c for c in checkpoints["checkpoints"] if c["tag"] == tag)
+    assert status == 200 and row["state"] == "complete" and row["world_size"] == 2 and row["size"] > 0
+    status, metrics = _get(f"{url}/workbench/api/runs/{run_id}/metrics", token)
+    assert status == 200 and {r["rank"] for r in metrics["records"]} == {0, 1}
+    assert any(r["scalars"].get("loss") == 2.0 for r in metrics["records"])
+    status, later = _get(f"{url}/workbench/api/runs/{run_id}/metrics?since={metrics['next']}", token)
+    assert status == 200 and later["records"] == [] and later["next"] == metrics["next"]
+    assert _get(f"{url}/workbench/api/runs/no-such-run/checkpoints", token)[0] == 404
+    assert _get(f"{url}/workbench/api/runs/{run_id}/metrics?since=x", token)[0] == 400
