@@ -223,6 +223,10 @@ def _with_metrics(reply: dict) -> dict:
     reply["metrics"] = {"pid": os.getpid(), "seq": LOGGER.flush(), "cell": LOGGER.cells}
     errors = take_errors()  # every rank has the same failure (DCP is collective); rank 0 reports it once
     reply["notices"] = errors if STATE.spec is not None and STATE.spec.rank == 0 else []
+    if LOGGER.send_error is not None:  # the sender survived it; say so once
+        rank = STATE.spec.rank if STATE.spec is not None else "?"
+        reply["notices"].append(f"rank {rank}: the metrics sender skipped a message ({LOGGER.send_error})")
+        LOGGER.send_error = None
     return reply
 
 

@@ -6,7 +6,8 @@ kernel's collector over a zmq PUSH socket (ordered and lossless over one
 connection). Every ``BEAT_EVERY_S`` a message goes even without records: the
 rank's heartbeat, with an activity counter (records, forward calls,
 collectives launched) and, once that counter has stalled, the main thread's
-stack, so the kernel can tell a hung rank and say where it is stuck. When the kernel does not keep up, zmq's high-water mark makes the
+stack, so the kernel can tell a hung rank and say where it is stuck.
+When the kernel does not keep up, zmq's high-water mark makes the
 non-blocking send fail; the records then stay in the buffer, and once the
 buffer is full the oldest are dropped and counted, so the training loop never
 waits for the kernel.
