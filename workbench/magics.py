@@ -445,6 +445,9 @@ def _metrics_parser() -> _Parser:
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext workbench``: register the magics and stop the fleet at exit."""
+    """``%load_ext workbench``: register the magics (and the lab panel's comm target), stop the fleet at exit."""
+    from . import panel
+
     ipython.register_magics(WorkbenchMagics)
+    panel.register(ipython)
     atexit.register(_stop_current)

@@ -187,7 +187,8 @@ class MetricsLogger:
 class _Pulse:
     """The heartbeat's content. ``stalled_s``: while user code runs and has made
     progress in this cell, the seconds since the activity counter last moved (else
-    None); with it, once it reaches ``STACK_AFTER_S``, the main thread's stack."""
+    None); with it, once it reaches ``STACK_AFTER_S``, the main thread's stack.
+    ``busy``: a cell's user code is running."""
 
     def __init__(self) -> None:
         self.activity = -1
@@ -198,7 +199,7 @@ class _Pulse:
             self.activity, self.changed_at = activity, now
         stalled = now - self.changed_at if in_user_code and activity != at_cell_start else None
         stack = _main_thread_stack() if stalled is not None and stalled >= STACK_AFTER_S else None
-        return {"stalled_s": stalled, "stack": stack}
+        return {"stalled_s": stalled, "stack": stack, "busy": in_user_code}
 
 
 def _main_thread_stack(limit: int = 8) -> str | None:

@@ -37,6 +37,8 @@ class RankStream:
     cell: int = 0  # from the heartbeat: the rank's cell counter when it was sent
     stalled_s: float | None = None  # from the heartbeat: seconds the rank's cell has made no progress
     stack: str | None = None  # the rank's main thread, sent while it is stalled
+    busy: bool = False  # from the heartbeat: the rank is running a cell's code
+    memory: dict = field(default_factory=dict)  # from the last message: rss_mb (and cuda_max_mb on GPU)
 
 
 @dataclass
@@ -67,10 +69,11 @@ class MetricsStore:
             stream.total = message.get("total")
             if message["records"]:
                 stream.seq = message["records"][-1][1]
+            stream.memory = message.get("memory") or stream.memory
             beat = message.get("beat")
             if beat is not None:
                 stream.beat_at, stream.stalled_s, stream.stack = arrived, beat["stalled_s"], beat["stack"]
-                stream.cell = beat["cell"]
+                stream.cell, stream.busy = beat["cell"], bool(beat.get("busy"))
             self.records.extend(new)
             self.changed.notify_all()
         return new

@@ -1,0 +1,352 @@
+/**
+ * The side panel: the active notebook's fleet (engines, spares), live loss and
+ * throughput curves, checkpoints, and buttons that run %fleet / %checkpoint in
+ * that notebook's kernel. Without a live fleet it lists the runs on disk
+ * (served by the workbench server routes) and shows a chosen run's curves and
+ * checkpoints.
+ */
+
+import { INotebookTracker } from '@jupyterlab/notebook';
+import { Widget } from '@lumino/widgets';
+
+import { drawChart, Series } from './chart';
+import { ConnectionStatus, FleetConnection } from './connection';
+import { Action, ICheckpoint, IFleetState, IReply, KernelMessage, Point } from './protocol';
+import { fetchCheckpoints, fetchMetrics, fetchRuns } from './server';
+
+const STATUS_TEXT: Record<ConnectionStatus, string> = {
+  'no-notebook': 'Open a notebook to see its fleet.',
+  'no-kernel': 'This notebook has no running kernel.',
+  connecting: 'Connecting to the notebook kernel…',
+  'not-loaded': 'workbench is not loaded in this kernel.',
+  connected: ''
+};
+
+function element<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  className = '',
+  text = ''
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  node.className = className;
+  node.textContent = text;
+  return node;
+}
+
+function fillTable(table: HTMLTableElement, header: string[], rows: (string | Node)[][]): void {
+  table.textContent = '';
+  const head = table.createTHead().insertRow();
+  header.forEach(h => head.appendChild(element('th', '', h)));
+  const body = table.createTBody();
+  rows.forEach(cells => {
+    const row = body.insertRow();
+    cells.forEach(cell => {
+      const td = row.insertCell();
+      if (typeof cell === 'string') {
+        td.textContent = cell;
+      } else {
+        td.appendChild(cell);
+      }
+    });
+  });
+}
+
+export class WorkbenchPanel extends Widget {
+  private _connection: FleetConnection;
+  private _state: IFleetState | null = null;
+  private _run: string | null = null; // whose curves are shown
+  private _loss = new Series();
+  private _throughput = new Series();
+  private _lastTime = new Map<number, number>();
+  private _scalarName: string | null = null;
+  private _throughputName = 'samples/s';
+  private _pending = new Map<number, string>(); // action id -> command, until its reply
+  private _redraw = 0;
+  private _runsTimer = 0;
+
+  private _status = element('div', 'wb-status');
+  private _ranks = element('input', 'wb-ranks');
+  private _buttons = new Map<string, HTMLButtonElement>();
+  private _message = element('pre', 'wb-message');
+  private _engines = element('table', 'wb-table wb-engines');
+  private _spares = element('div', 'wb-spares');
+  private _lossChart = element('div', 'wb-chart-box wb-chart-loss');
+  private _throughputChart = element('div', 'wb-chart-box wb-chart-throughput');
+  private _checkpoints = element('table', 'wb-table wb-checkpoints');
+  private _runsBox = element('div', 'wb-runs');
+
+  constructor(tracker: INotebookTracker) {
+    super();
+    this.addClass('wb-panel');
+    this.id = 'workbench-panel';
+    this.title.caption = 'workbench: fleet, metrics, checkpoints';
+    this._build();
+    this._connection = new FleetConnection(tracker);
+    this._connection.messages.connect((_, msg) => this._onMessage(msg));
+    this._connection.statusChanged.connect(() => this._render());
+    this._render();
+  }
+
+  dispose(): void {
+    window.clearInterval(this._runsTimer);
+    super.dispose();
+  }
+
+  private _build(): void {
+    const root = this.node;
+    root.appendChild(element('h2', 'wb-title', 'workbench fleet'));
+    root.appendChild(this._status);
+    const controls = element('div', 'wb-controls');
+    const label = element('label', '', 'ranks ');
+    this._ranks.type = 'number';
+    this._ranks.min = '1';
+    this._ranks.value = '2';
+    label.appendChild(this._ranks);
+    controls.appendChild(label);
+    for (const [action, text] of [
+      ['load', 'Load workbench'],
+      ['start', 'Start'],
+      ['scale', 'Scale'],
+      ['stop', 'Stop']
+    ]) {
+      const button = element('button', 'jp-mod-styled wb-button', text);
+      button.dataset.action = action;
+      button.onclick = () => this._press(action);
+      this._buttons.set(action, button);
+      controls.appendChild(button);
+    }
+    root.appendChild(controls);
+    root.appendChild(this._message);
+    root.appendChild(element('h3', '', 'Engines'));
+    root.appendChild(this._engines);
+    root.appendChild(this._spares);
+    root.appendChild(element('h3', '', 'Metrics'));
+    root.appendChild(this._lossChart);
+    root.appendChild(this._throughputChart);
+    const heading = element('h3', '', 'Checkpoints ');
+    const save = element('button', 'jp-mod-styled wb-button', 'Save checkpoint');
+    save.dataset.action = 'save';
+    save.onclick = () => this._press('save');
+    this._buttons.set('save', save);
+    heading.appendChild(save);
+    root.appendChild(heading);
+    root.appendChild(this._checkpoints);
+    root.appendChild(element('h3', '', 'Runs on disk'));
+    root.appendChild(this._runsBox);
+    this._runsTimer = window.setInterval(() => this._refreshRuns(), 5000);
+    void this._refreshRuns();
+  }
+
+  private _press(action: string): void {
+    if (action === 'load') {
+      this._say('running %load_ext workbench…');
+      this._connection.loadWorkbench().then(
+        () => this._say(''),
+        error => this._say(String(error), true)
+      );
+      return;
+    }
+    const n = Number(this._ranks.value);
+    if ((action === 'start' || action === 'scale') && !(Number.isInteger(n) && n >= 1)) {
+      this._say(`ranks must be a whole number of at least 1 (got ${this._ranks.value || 'nothing'})`, true);
+      return;
+    }
+    const data = action === 'start' || action === 'scale' ? { n } : {};
+    this._send(action as Action, data, action === 'start' || action === 'scale' ? `${action} ${n}` : action);
+  }
+
+  private _send(action: Action, data: Record<string, unknown>, label: string): void {
+    try {
+      const id = this._connection.send(action, data);
+      this._pending.set(id, label);
+      this._render();
+    } catch (error) {
+      this._say(String(error), true);
+    }
+  }
+
+  private _say(text: string, error = false): void {
+    this._message.textContent = text;
+    this._message.classList.toggle('wb-error', error);
+  }
+
+  private _onMessage(msg: KernelMessage): void {
+    if (msg.type === 'state') {
+      this._state = msg;
+      if (msg.run !== this._run) {
+        this._showRun(msg.run);
+      }
+    } else if (msg.type === 'metrics') {
+      if (msg.run !== this._run) {
+        this._showRun(msg.run);
+      }
+      this._addPoints(msg.points);
+      this._scheduleCharts();
+      return;
+    } else if (msg.type === 'reply') {
+      this._onReply(msg);
+    }
+    this._render();
+  }
+
+  private _onReply(reply: IReply): void {
+    this._pending.delete(reply.id);
+    const text = reply.output || (reply.ok ? `${reply.command}: done` : `${reply.command}: failed`);
+    this._say(text, !reply.ok);
+  }
+
+  private _showRun(run: string | null): void {
+    this._run = run;
+    this._loss.clear();
+    this._throughput.clear();
+    this._lastTime.clear();
+    this._scalarName = null;
+    this._scheduleCharts();
+  }
+
+  private _addPoints(points: Point[]): void {
+    for (const [rank, step, time, scalars, samplesPerS] of points) {
+      if (this._scalarName === null) {
+        const names = Object.keys(scalars || {});
+        this._scalarName = names.includes('loss') ? 'loss' : names[0] ?? null;
+      }
+      if (this._scalarName !== null && scalars && this._scalarName in scalars) {
+        this._loss.add(rank, step, Number(scalars[this._scalarName]));
+      }
+      const previous = this._lastTime.get(rank);
+      this._lastTime.set(rank, time);
+      if (samplesPerS !== null && samplesPerS !== undefined) {
+        this._throughputName = 'samples/s';
+        this._throughput.add(rank, step, samplesPerS);
+      } else if (previous !== undefined && time > previous) {
+        this._throughputName = 'steps/s';
+        this._throughput.add(rank, step, 1 / (time - previous));
+      }
+    }
+  }
+
+  private _scheduleCharts(): void {
+    if (this._redraw) {
+      return;
+    }
+    this._redraw = window.setTimeout(() => {
+      this._redraw = 0;
+      drawChart(this._lossChart, this._scalarName ?? 'loss', this._loss);
+      drawChart(this._throughputChart, `throughput (${this._throughputName})`, this._throughput);
+    }, 200);
+  }
+
+  private _render(): void {
+    const status = this._connection.status;
+    const state = status === 'connected' ? this._state : null;
+    const running = !!state?.running;
+    const notebook = this._connection.notebook?.context.path ?? '';
+    let text = STATUS_TEXT[status];
+    if (state) {
+      text = running
+        ? `${notebook}: ${state.world_size} ranks (${state.backend}), run ${state.run}`
+        : `${notebook}: no fleet running` + (state.run ? ` (last run ${state.run})` : '');
+    }
+    const waiting = [...this._pending.values()];
+    if (waiting.length) {
+      text +=
+        ` · running ${waiting.join(', ')}…` +
+        (this._connection.kernelBusy ? ' (waits for the cell that is running)' : '');
+    }
+    this._status.textContent = text;
+    this._status.dataset.running = String(running);
+    this._status.dataset.connection = status;
+    const busy = waiting.length > 0;
+    const can: Record<string, boolean> = {
+      load: status === 'not-loaded',
+      start: status === 'connected' && !running && !busy,
+      scale: running && !busy,
+      stop: running && !busy,
+      save: running && !busy
+    };
+    this._buttons.forEach((button, action) => {
+      button.disabled = !can[action];
+      button.hidden = action === 'load' && status !== 'not-loaded';
+    });
+    const engines = state?.engines ?? [];
+    fillTable(
+      this._engines,
+      ['rank', 'device', 'state', 'memory', 'host', 'pid'],
+      engines.map(e => [
+        String(e.rank),
+        e.device,
+        e.state,
+        e.memory_mb === null || e.memory_mb === undefined ? '-' : `${Math.round(e.memory_mb)} MiB`,
+        e.host,
+        String(e.pid)
+      ])
+    );
+    this._engines.dataset.count = String(engines.length);
+    const spares = state?.spares;
+    this._spares.textContent =
+      spares && (spares.ready || spares.starting)
+        ? `spares: ${spares.ready} warm` + (spares.starting ? `, ${spares.starting} starting` : '')
+        : '';
+    if (state) {
+      this._fillCheckpoints(state.checkpoints, running && !busy);
+    }
+  }
+
+  private _fillCheckpoints(checkpoints: ICheckpoint[], canRestore: boolean): void {
+    fillTable(
+      this._checkpoints,
+      ['tag', 'step', 'world', 'state', ''],
+      checkpoints.map(c => {
+        const restore = element('button', 'jp-mod-styled wb-button', 'Restore');
+        restore.dataset.action = 'restore';
+        restore.dataset.tag = c.tag;
+        restore.disabled = !canRestore || c.state !== 'complete';
+        restore.onclick = () => this._send('restore', { tag: c.tag }, `restore ${c.tag}`);
+        return [c.tag, String(c.step ?? '-'), String(c.world_size ?? '-'), c.state, restore];
+      })
+    );
+    this._checkpoints.dataset.count = String(checkpoints.length);
+  }
+
+  private async _refreshRuns(): Promise<void> {
+    if (!this.isVisible && this._runsBox.childElementCount) {
+      return;
+    }
+    try {
+      const { runs } = await fetchRuns();
+      this._runsBox.textContent = '';
+      if (!runs.length) {
+        this._runsBox.textContent = 'none yet';
+      }
+      for (const run of runs.slice(0, 10)) {
+        const item = element('button', 'wb-run', `${run.id} · ${run.checkpoints} checkpoints`);
+        item.dataset.run = run.id;
+        item.onclick = () => void this._showDiskRun(run.id);
+        this._runsBox.appendChild(item);
+      }
+    } catch (error) {
+      this._runsBox.textContent = `runs on disk are not available: ${error}`;
+    }
+  }
+
+  /** A past run's curves and checkpoints, read through the server routes. */
+  private async _showDiskRun(run: string): Promise<void> {
+    if (this._state?.running) {
+      this._say('a fleet is running: its run is shown (stop it to look at past runs)');
+      return;
+    }
+    this._showRun(run);
+    let since = 0;
+    for (;;) {
+      const page = await fetchMetrics(run, since);
+      this._addPoints(page.records.map(r => [r.rank, r.step, r.time, r.scalars, r.system.samples_per_s ?? null]));
+      if (page.next === since || !page.records.length) {
+        break;
+      }
+      since = page.next;
+    }
+    this._scheduleCharts();
+    this._fillCheckpoints((await fetchCheckpoints(run)).checkpoints, false);
+    this._say(`run ${run} (from disk)`);
+  }
+}

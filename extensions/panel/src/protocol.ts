@@ -1,0 +1,77 @@
+/**
+ * Messages between the panel and the kernel (workbench/panel.py), and the
+ * JSON of the server routes (workbench/labpanel.py).
+ */
+
+export const COMM_TARGET = 'workbench.panel';
+
+export interface IEngine {
+  rank: number;
+  engine: number;
+  pid: number;
+  host: string;
+  device: string;
+  state: string; // starting | idle | busy | dead | silent
+  memory_mb: number | null;
+}
+
+export interface ICheckpoint {
+  tag: string;
+  state: string; // complete | writing
+  step?: number;
+  world_size?: number;
+  strategy?: string;
+  created?: number;
+}
+
+export interface IFleetState {
+  type: 'state';
+  running: boolean;
+  run: string | null;
+  world_size?: number;
+  backend?: string;
+  engines: IEngine[];
+  spares: { ready: number; starting: number };
+  checkpoints: ICheckpoint[];
+}
+
+/** [rank, step, time, scalars, samples_per_s] */
+export type Point = [number, number, number, Record<string, number>, number | null];
+
+export interface IMetricsMessage {
+  type: 'metrics';
+  run: string;
+  points: Point[];
+}
+
+export interface IReply {
+  type: 'reply';
+  id: number;
+  action: string;
+  command?: string;
+  ok: boolean;
+  output: string;
+}
+
+export type KernelMessage = IFleetState | IMetricsMessage | IReply;
+
+export type Action = 'start' | 'scale' | 'stop' | 'save' | 'restore';
+
+/** GET workbench/api/runs */
+export interface IRunsResponse {
+  root: string;
+  runs: { id: string; modified: number; checkpoints: number; metrics: boolean }[];
+}
+
+/** GET workbench/api/runs/<id>/metrics?since=N (records as in metrics.jsonl) */
+export interface IMetricsResponse {
+  run: string;
+  next: number;
+  records: {
+    time: number;
+    rank: number;
+    step: number;
+    scalars: Record<string, number>;
+    system: Record<string, number>;
+  }[];
+}
