@@ -9,9 +9,13 @@ that the panel stays live while a cell trains:
 - ``{"type": "metrics", "run": id, "points": [...]}``: the metric records that
   arrived since the last message (the whole run's, up to ``HISTORY``, at open).
 
-The panel's buttons send ``{"action": "start"|"scale"|"stop"|"save"|"restore", ...}``;
-each runs the magic a user would type, on the kernel's main thread, and is
-answered with ``{"type": "reply", "id", "ok", "output"}``.
+The comm only carries state to the panel. The panel's buttons run the magics a
+user would type (``%fleet start -n N``, ``%fleet scale N``, ``%fleet stop``,
+``%checkpoint save``, ``%checkpoint restore TAG``) as execute requests on the
+kernel's main shell, so they wait for a running cell like typed input does.
+JupyterLab (4.4+) sends comm messages over a kernel subshell, in another thread:
+running fleet commands there, next to a cell that uses the same ipyparallel
+client, would not be safe.
 
 A snapshot reads only what other threads may read while a cell runs: the fleet's
 member list, the heartbeats in the metrics store, the processes (psutil) and the
@@ -21,7 +25,6 @@ checkpoint folder. It never uses the ipyparallel client, which is not thread-saf
 from __future__ import annotations
 
 import json
-import shlex
 import socket
 import threading
 import time
@@ -32,56 +35,9 @@ TARGET = "workbench.panel"
 POLL_S = 0.25
 HISTORY = 5000  # metric records sent when a panel opens
 SILENT_AFTER_S = 10.0  # a remote rank without a heartbeat this long shows as "silent"
-ACTIONS = ("start", "scale", "stop", "save", "restore")
 
-_comms: dict[str, object] = {}  # panel client id -> its open comm
-
-
-def _magic_line(action: str, data: dict) -> tuple[str, str]:
-    """The magic a button stands for, checked like typed input: ``(magic, line)``."""
-
-    def count(name: str) -> int:
-        value = data.get(name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{action} needs a whole number {name!r} (got {value!r})")
-        return value
-
-    if action == "start":
-        spares = data.get("spares", 0)
-        return "fleet", f"start -n {count('n')}" + (f" --spares {count('spares')}" if spares else "")
-    if action == "scale":
-        return "fleet", f"scale {count('n')}"
-    if action == "stop":
-        return "fleet", "stop"
-    tag = data.get("tag")
-    if tag is not None and not isinstance(tag, str):
-        raise ValueError(f"a checkpoint tag is a string (got {tag!r})")
-    tag = shlex.quote(tag) if tag else None  # the magic checks the tag itself
-    if action == "save":
-        return "checkpoint", "save" + (f" --tag {tag}" if tag else "")
-    if action == "restore":
-        return "checkpoint", f"restore {tag or 'latest'}"
-    raise ValueError(f"unknown panel action {action!r}; one of: {', '.join(ACTIONS)}")
-
-
-def run_action(ipython, data: dict) -> dict:
-    """Run one panel action as its magic; return the reply (its output, or its error)."""
-    from IPython.utils.capture import capture_output
-
-    reply = {"type": "reply", "id": data.get("id"), "action": data.get("action")}
-    try:
-        magic, line = _magic_line(data.get("action"), data)
-    except ValueError as exc:
-        return {**reply, "ok": False, "output": str(exc)}
-    reply["command"] = f"%{magic} {line}"
-    with capture_output(display=False) as captured:
-        try:
-            ipython.run_line_magic(magic, line)
-            ok, error = True, ""
-        except BaseException as exc:  # KeyboardInterrupt included: the reply must still go out
-            ok, error = False, f"{type(exc).__name__}: {exc}" if type(exc).__name__ != "UsageError" else str(exc)
-    output = (captured.stdout + captured.stderr).replace("\r", "\n").strip()
-    return {**reply, "ok": ok, "output": "\n".join(t for t in (output, error) if t)}
+_comms: dict[str, "PanelConnection"] = {}  # panel client id -> its open comm
+_comms_lock = threading.Lock()  # comms open on subshell threads
 
 
 def snapshot() -> dict:
@@ -131,23 +87,17 @@ def _points(records) -> list[list]:
 
 
 class PanelConnection:
-    """One open panel: sends state and metrics from a thread, runs its actions."""
+    """One open panel: sends it state and metrics from a thread."""
 
-    def __init__(self, ipython, comm) -> None:
-        self.ipython, self.comm = ipython, comm
+    def __init__(self, comm) -> None:
+        self.comm = comm
         self.closed = threading.Event()
         self.sent_state = None
         self.last_error = None
         self.run, self.sent_records = None, 0
-        comm.on_msg(self.on_msg)
         comm.on_close(lambda _msg: self.closed.set())
         self.thread = threading.Thread(target=self._publish, name="workbench-panel", daemon=True)
         self.thread.start()
-
-    def on_msg(self, msg) -> None:
-        data = msg["content"]["data"]
-        self.comm.send(run_action(self.ipython, data))
-        self.publish_once()  # the change the action made, without waiting for the next poll
 
     def close(self) -> None:
         self.closed.set()
@@ -167,25 +117,20 @@ class PanelConnection:
     def publish_once(self) -> None:
         from .magics import current_metrics
 
-        with _publish_lock:
-            state = snapshot()
-            text = json.dumps(state, sort_keys=True, default=str)
-            if text != self.sent_state:
-                self.comm.send(json.loads(text))
-                self.sent_state = text
-            metrics = current_metrics()
-            if metrics is None:
-                return
-            records = metrics.store.records
-            if metrics.run_id != self.run:
-                self.run, self.sent_records = metrics.run_id, max(0, len(records) - HISTORY)
-            new = records[self.sent_records:len(records)]
-            if new:
-                self.comm.send({"type": "metrics", "run": self.run, "points": _points(new)})
-                self.sent_records += len(new)
-
-
-_publish_lock = threading.Lock()  # the thread and an action's immediate update send in order
+        text = json.dumps(snapshot(), sort_keys=True, default=str)
+        if text != self.sent_state:
+            self.comm.send(json.loads(text))
+            self.sent_state = text
+        metrics = current_metrics()
+        if metrics is None:
+            return
+        records = metrics.store.records
+        if metrics.run_id != self.run:
+            self.run, self.sent_records = metrics.run_id, max(0, len(records) - HISTORY)
+        new = records[self.sent_records:len(records)]
+        if new:
+            self.comm.send({"type": "metrics", "run": self.run, "points": _points(new)})
+            self.sent_records += len(new)
 
 
 def register(ipython) -> bool:
@@ -200,16 +145,18 @@ def register(ipython) -> bool:
 
     def opened(comm, msg) -> None:
         client = str((msg["content"].get("data") or {}).get("client", comm.comm_id))
-        previous = _comms.pop(client, None)
-        if previous is not None:  # the same browser tab, reloaded: its old comm has no listener
-            previous.close()
-        _comms[client] = PanelConnection(ipython, comm)
+        with _comms_lock:
+            previous = _comms.pop(client, None)
+            if previous is not None:  # the same browser tab, reloaded: its old comm has no listener
+                previous.close()
+            _comms[client] = PanelConnection(comm)
 
     get_comm_manager().register_target(TARGET, opened)
     return True
 
 
 def close_all() -> None:
-    for connection in list(_comms.values()):
-        connection.close()
-    _comms.clear()
+    with _comms_lock:
+        for connection in _comms.values():
+            connection.close()
+        _comms.clear()

@@ -10,7 +10,11 @@ import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { Kernel } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { Action, COMM_TARGET, KernelMessage } from './protocol';
+import { COMM_TARGET, KernelMessage } from './protocol';
+
+/** Between two tries to open the comm while workbench is not loaded (a comm opened just
+ * after one was closed can be given the subshell being deleted). */
+const RETRY_MS = 2000;
 
 export type ConnectionStatus = 'no-notebook' | 'no-kernel' | 'connecting' | 'not-loaded' | 'connected';
 
@@ -29,7 +33,7 @@ export class FleetConnection {
   private _notebook: NotebookPanel | null = null;
   private _comm: Kernel.IComm | null = null;
   private _status: ConnectionStatus = 'no-notebook';
-  private _nextId = 1;
+  private _kernelId = '';
   private _lastAttempt = 0;
   private _messages = new Signal<this, KernelMessage>(this);
   private _statusChanged = new Signal<this, ConnectionStatus>(this);
@@ -56,29 +60,41 @@ export class FleetConnection {
     return this._notebook;
   }
 
-  /** The kernel is running a cell: an action waits until it finishes. */
-  get kernelBusy(): boolean {
-    return this._notebook?.sessionContext.kernelDisplayStatus === 'busy';
+  /** A cell of the notebook is running: a command waits until it finishes. */
+  get cellRunning(): boolean {
+    const cells = this._notebook?.content.widgets ?? [];
+    return cells.some(cell => (cell.model as any).executionState === 'running');
   }
 
-  /** Send a button's action; returns its id (the reply carries it). */
-  send(action: Action, data: Record<string, unknown> = {}): number {
-    if (!this._comm) {
-      throw new Error('not connected to a workbench kernel');
-    }
-    const id = this._nextId++;
-    this._comm.send({ action, id, ...data } as any);
-    return id;
-  }
-
-  /** `%load_ext workbench` in the notebook's kernel, then connect. */
-  async loadWorkbench(): Promise<void> {
+  /**
+   * Run magics in the notebook's kernel, as if typed in a cell (on its main
+   * shell, so after a cell that is running), without adding to the notebook.
+   * Resolves with what they printed and whether they succeeded.
+   */
+  async execute(code: string): Promise<{ ok: boolean; output: string }> {
     const kernel = this._notebook?.sessionContext.session?.kernel;
     if (!kernel) {
       throw new Error('this notebook has no kernel');
     }
-    await kernel.requestExecute({ code: '%load_ext workbench', silent: true, store_history: false }).done;
-    await this._connect();
+    const parts: string[] = [];
+    const future = kernel.requestExecute({ code, silent: false, store_history: false });
+    future.onIOPub = msg => {
+      const content = msg.content as any;
+      if (msg.header.msg_type === 'stream') {
+        parts.push(content.text);
+      } else if (msg.header.msg_type === 'error') {
+        parts.push(`${content.ename}: ${content.evalue}`);
+      }
+    };
+    const reply = await future.done;
+    return { ok: reply.content.status === 'ok', output: parts.join('').replace(/\r/g, '\n').trim() };
+  }
+
+  /** Open the comm if it is not open (e.g. after a command loaded workbench). */
+  async reconnect(): Promise<void> {
+    if (!this._comm) {
+      await this._connect();
+    }
   }
 
   private _follow(panel: NotebookPanel | null): void {
@@ -102,6 +118,10 @@ export class FleetConnection {
   }
 
   private _onKernelChanged(): void {
+    const kernel = this._notebook?.sessionContext.session?.kernel;
+    if (this._comm && kernel && this._kernelId === kernel.id) {
+      return; // the same kernel: keep the comm
+    }
     this._disconnect();
     void this._connect();
   }
@@ -110,7 +130,7 @@ export class FleetConnection {
     if (status === 'restarting' || status === 'dead') {
       this._disconnect();
       this._setStatus('no-kernel');
-    } else if (status === 'idle' && !this._comm && Date.now() - this._lastAttempt > 500) {
+    } else if (status === 'idle' && !this._comm && Date.now() - this._lastAttempt > RETRY_MS) {
       void this._connect(); // e.g. `%load_ext workbench` just ran
     }
   }
@@ -129,6 +149,7 @@ export class FleetConnection {
     this._setStatus('connecting');
     const comm = kernel.createComm(COMM_TARGET);
     this._comm = comm;
+    this._kernelId = kernel.id;
     comm.onMsg = msg => {
       if (this._comm === comm) {
         if (this._status !== 'connected') {
@@ -145,6 +166,15 @@ export class FleetConnection {
       }
     };
     try {
+      // Open over the comm's own subshell where the kernel has them (ipykernel 7): the
+      // kernel answers at once, also while a cell is running on its main shell.
+      await kernel.info;
+      if (kernel.supportsSubshells) {
+        await Promise.race([(comm as any).subshellStarted, new Promise(resolve => setTimeout(resolve, 5000))]);
+      }
+      if (this._comm !== comm) {
+        return;
+      }
       await comm.open({ client: clientId() }).done;
     } catch (error) {
       if (this._comm === comm) {

@@ -11,14 +11,14 @@ import { Widget } from '@lumino/widgets';
 
 import { drawChart, Series } from './chart';
 import { ConnectionStatus, FleetConnection } from './connection';
-import { Action, ICheckpoint, IFleetState, IReply, KernelMessage, Point } from './protocol';
+import { ICheckpoint, IFleetState, KernelMessage, Point } from './protocol';
 import { fetchCheckpoints, fetchMetrics, fetchRuns } from './server';
 
 const STATUS_TEXT: Record<ConnectionStatus, string> = {
   'no-notebook': 'Open a notebook to see its fleet.',
   'no-kernel': 'This notebook has no running kernel.',
   connecting: 'Connecting to the notebook kernel…',
-  'not-loaded': 'workbench is not loaded in this kernel.',
+  'not-loaded': 'workbench is not loaded in this kernel (Start loads it).',
   connected: ''
 };
 
@@ -54,13 +54,13 @@ function fillTable(table: HTMLTableElement, header: string[], rows: (string | No
 export class WorkbenchPanel extends Widget {
   private _connection: FleetConnection;
   private _state: IFleetState | null = null;
-  private _run: string | null = null; // whose curves are shown
+  private _shownRun: string | null = null; // whose curves are shown
   private _loss = new Series();
   private _throughput = new Series();
   private _lastTime = new Map<number, number>();
   private _scalarName: string | null = null;
   private _throughputName = 'samples/s';
-  private _pending = new Map<number, string>(); // action id -> command, until its reply
+  private _pending = new Set<string>(); // commands sent to the kernel, until they finish
   private _redraw = 0;
   private _runsTimer = 0;
 
@@ -104,7 +104,6 @@ export class WorkbenchPanel extends Widget {
     label.appendChild(this._ranks);
     controls.appendChild(label);
     for (const [action, text] of [
-      ['load', 'Load workbench'],
       ['start', 'Start'],
       ['scale', 'Scale'],
       ['stop', 'Stop']
@@ -138,31 +137,39 @@ export class WorkbenchPanel extends Widget {
   }
 
   private _press(action: string): void {
-    if (action === 'load') {
-      this._say('running %load_ext workbench…');
-      this._connection.loadWorkbench().then(
-        () => this._say(''),
-        error => this._say(String(error), true)
-      );
-      return;
-    }
     const n = Number(this._ranks.value);
     if ((action === 'start' || action === 'scale') && !(Number.isInteger(n) && n >= 1)) {
       this._say(`ranks must be a whole number of at least 1 (got ${this._ranks.value || 'nothing'})`, true);
       return;
     }
-    const data = action === 'start' || action === 'scale' ? { n } : {};
-    this._send(action as Action, data, action === 'start' || action === 'scale' ? `${action} ${n}` : action);
+    const loaded = this._connection.status === 'connected';
+    const commands: Record<string, string> = {
+      start: (loaded ? '' : '%load_ext workbench\n') + `%fleet start -n ${n}`,
+      scale: `%fleet scale ${n}`,
+      stop: '%fleet stop',
+      save: '%checkpoint save'
+    };
+    this._run(commands[action]);
   }
 
-  private _send(action: Action, data: Record<string, unknown>, label: string): void {
-    try {
-      const id = this._connection.send(action, data);
-      this._pending.set(id, label);
-      this._render();
-    } catch (error) {
-      this._say(String(error), true);
-    }
+  /** Run a command in the kernel; its output (or error) goes to the message line. */
+  private _run(command: string): void {
+    this._pending.add(command);
+    this._say('');
+    this._render();
+    this._connection.execute(command).then(
+      ({ ok, output }) => {
+        this._pending.delete(command);
+        this._say(output || `${command}: ${ok ? 'done' : 'failed'}`, !ok);
+        this._render();
+        void this._connection.reconnect();
+      },
+      error => {
+        this._pending.delete(command);
+        this._say(String(error), true);
+        this._render();
+      }
+    );
   }
 
   private _say(text: string, error = false): void {
@@ -171,32 +178,20 @@ export class WorkbenchPanel extends Widget {
   }
 
   private _onMessage(msg: KernelMessage): void {
-    if (msg.type === 'state') {
-      this._state = msg;
-      if (msg.run !== this._run) {
-        this._showRun(msg.run);
-      }
-    } else if (msg.type === 'metrics') {
-      if (msg.run !== this._run) {
-        this._showRun(msg.run);
-      }
+    if (msg.run !== this._shownRun) {
+      this._showRun(msg.run);
+    }
+    if (msg.type === 'metrics') {
       this._addPoints(msg.points);
       this._scheduleCharts();
-      return;
-    } else if (msg.type === 'reply') {
-      this._onReply(msg);
+    } else {
+      this._state = msg;
+      this._render();
     }
-    this._render();
-  }
-
-  private _onReply(reply: IReply): void {
-    this._pending.delete(reply.id);
-    const text = reply.output || (reply.ok ? `${reply.command}: done` : `${reply.command}: failed`);
-    this._say(text, !reply.ok);
   }
 
   private _showRun(run: string | null): void {
-    this._run = run;
+    this._shownRun = run;
     this._loss.clear();
     this._throughput.clear();
     this._lastTime.clear();
@@ -247,40 +242,39 @@ export class WorkbenchPanel extends Widget {
         ? `${notebook}: ${state.world_size} ranks (${state.backend}), run ${state.run}`
         : `${notebook}: no fleet running` + (state.run ? ` (last run ${state.run})` : '');
     }
-    const waiting = [...this._pending.values()];
+    const waiting = [...this._pending].map(c => c.split('\n').pop());
     if (waiting.length) {
       text +=
         ` · running ${waiting.join(', ')}…` +
-        (this._connection.kernelBusy ? ' (waits for the cell that is running)' : '');
+        (this._connection.cellRunning ? ' (after the cell that is running)' : '');
     }
     this._status.textContent = text;
     this._status.dataset.running = String(running);
     this._status.dataset.connection = status;
     const busy = waiting.length > 0;
     const can: Record<string, boolean> = {
-      load: status === 'not-loaded',
-      start: status === 'connected' && !running && !busy,
+      start: (status === 'not-loaded' || (status === 'connected' && !running)) && !busy,
       scale: running && !busy,
       stop: running && !busy,
       save: running && !busy
     };
     this._buttons.forEach((button, action) => {
       button.disabled = !can[action];
-      button.hidden = action === 'load' && status !== 'not-loaded';
     });
     const engines = state?.engines ?? [];
     fillTable(
       this._engines,
-      ['rank', 'device', 'state', 'memory', 'host', 'pid'],
+      ['rank', 'device', 'state', 'memory', 'pid'],
       engines.map(e => [
         String(e.rank),
         e.device,
         e.state,
         e.memory_mb === null || e.memory_mb === undefined ? '-' : `${Math.round(e.memory_mb)} MiB`,
-        e.host,
         String(e.pid)
       ])
     );
+    const hosts = [...new Set(engines.map(e => e.host))];
+    this._engines.title = hosts.length ? `on ${hosts.join(', ')}` : '';
     this._engines.dataset.count = String(engines.length);
     const spares = state?.spares;
     this._spares.textContent =
@@ -295,16 +289,21 @@ export class WorkbenchPanel extends Widget {
   private _fillCheckpoints(checkpoints: ICheckpoint[], canRestore: boolean): void {
     fillTable(
       this._checkpoints,
-      ['tag', 'step', 'world', 'state', ''],
+      ['tag', 'step', 'ranks', ''],
       checkpoints.map(c => {
-        const restore = element('button', 'jp-mod-styled wb-button', 'Restore');
+        const complete = c.state === 'complete';
+        const restore = element('button', 'jp-mod-styled wb-button', complete ? 'restore' : 'writing…');
         restore.dataset.action = 'restore';
         restore.dataset.tag = c.tag;
-        restore.disabled = !canRestore || c.state !== 'complete';
-        restore.onclick = () => this._send('restore', { tag: c.tag }, `restore ${c.tag}`);
-        return [c.tag, String(c.step ?? '-'), String(c.world_size ?? '-'), c.state, restore];
+        restore.title = complete ? `%checkpoint restore ${c.tag}` : 'being written';
+        restore.disabled = !canRestore || !complete;
+        restore.onclick = () => this._run(`%checkpoint restore ${c.tag}`);
+        return [c.tag, String(c.step ?? '-'), String(c.world_size ?? '-'), restore];
       })
     );
+    this._checkpoints.querySelectorAll('tbody tr').forEach((row, i) => {
+      (row as HTMLElement).dataset.state = checkpoints[i].state;
+    });
     this._checkpoints.dataset.count = String(checkpoints.length);
   }
 

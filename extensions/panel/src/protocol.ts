@@ -1,6 +1,7 @@
 /**
- * Messages between the panel and the kernel (workbench/panel.py), and the
- * JSON of the server routes (workbench/labpanel.py).
+ * What the kernel sends the panel over its comm (workbench/panel.py), and the
+ * JSON of the server routes (workbench/labpanel.py). The panel's buttons do not
+ * use the comm: they run magics in the kernel (see FleetConnection.execute).
  */
 
 export const COMM_TARGET = 'workbench.panel';
@@ -44,18 +45,7 @@ export interface IMetricsMessage {
   points: Point[];
 }
 
-export interface IReply {
-  type: 'reply';
-  id: number;
-  action: string;
-  command?: string;
-  ok: boolean;
-  output: string;
-}
-
-export type KernelMessage = IFleetState | IMetricsMessage | IReply;
-
-export type Action = 'start' | 'scale' | 'stop' | 'save' | 'restore';
+export type KernelMessage = IFleetState | IMetricsMessage;
 
 /** GET workbench/api/runs */
 export interface IRunsResponse {
