@@ -19,15 +19,14 @@ import urllib.request
 
 import pytest
 from conftest import wait_until_gone
+from playwright import sync_api as playwright_api
 
 REPO = pathlib.Path(__file__).parent.parent
 ARTIFACTS = pathlib.Path(__file__).parent / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
 
-playwright_api = pytest.importorskip("playwright.sync_api")
-pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)"),
-              pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 
 def _free_port() -> int:
@@ -75,6 +74,7 @@ def lab(tmp_path_factory):
 @pytest.fixture(scope="module")
 def page(lab):
     url, token, _root = lab
+    assert CHROMIUM, "the browser test needs Debian's chromium: apt-get install -y chromium (.ci/run does)"
     ARTIFACTS.mkdir(exist_ok=True)
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
