@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 import psutil
 import pytest
@@ -27,6 +30,24 @@ def fleet_processes() -> list[psutil.Process]:
         if any(m in cmd for m in IPP_MARKERS) and proc.pid != os.getpid():
             found.append(proc)
     return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_jupyter(url: str, token: str, proc, log_text, timeout: float = 90) -> None:
+    """Until the Jupyter server ``proc`` at ``url`` answers; fail with its log if it exits or hangs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            return
+        except (urllib.error.URLError, ConnectionError):
+            assert proc.poll() is None and time.monotonic() < deadline, log_text()[-3000:]
+            time.sleep(0.3)
 
 
 def wait_until_gone(pids, timeout=15.0) -> list[int]:

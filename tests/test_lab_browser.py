@@ -10,15 +10,12 @@ import pathlib
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
-from conftest import wait_until_gone
+from conftest import free_port, wait_for_jupyter, wait_until_gone
 from playwright import sync_api as playwright_api
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -29,12 +26,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-s
 pytestmark = pytest.mark.timeout(600)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """JupyterLab on localhost with the installed workbench panel; a copy of the quickstart."""
@@ -43,7 +34,7 @@ def lab(tmp_path_factory):
     settings = root / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "WORKBENCH_RUNS_DIR": str(root / "workbench-runs"), "WANDB_MODE": "disabled"}
     log = open(root / "lab.log", "w")
     proc = subprocess.Popen(
@@ -53,14 +44,7 @@ def lab(tmp_path_factory):
          "--LabApp.expose_app_in_browser=True"],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-            break
-        except (urllib.error.URLError, ConnectionError):
-            assert proc.poll() is None and time.monotonic() < deadline, (root / "lab.log").read_text()[-3000:]
-            time.sleep(0.3)
+    wait_for_jupyter(url, token, proc, (root / "lab.log").read_text)
     yield url, token, root
     proc.send_signal(signal.SIGINT)  # the server shuts its kernels down; their fleets go with them
     try:

@@ -8,24 +8,17 @@ import os
 import pathlib
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
+from conftest import free_port, wait_for_jupyter
 
 from workbench import labpanel
 
 pytest.importorskip("jupyter_server")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +34,7 @@ def trained_run(fleet):
 @pytest.fixture(scope="module")
 def server(trained_run, tmp_path_factory):
     _run_id, _tag, runs_root = trained_run
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     root = tmp_path_factory.mktemp("server-root")
     # the config the wheel installs into etc/jupyter/jupyter_server_config.d enables the extension
     config = root / "config" / "jupyter_server_config.d"
@@ -54,14 +47,7 @@ def server(trained_run, tmp_path_factory):
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-            break
-        except (urllib.error.URLError, ConnectionError):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
-            time.sleep(0.3)
+    wait_for_jupyter(url, token, proc, lambda: proc.stderr.read() if proc.poll() is not None else "timeout")
     yield url, token
     proc.terminate()
     proc.wait(timeout=10)
