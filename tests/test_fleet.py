@@ -107,6 +107,15 @@ def test_output_streams_live_labelled_by_rank(fleet, monkeypatch):
     assert first_tick - started < 2.5
 
 
+def test_output_printed_just_before_the_reply_is_never_lost(fleet, capsys):
+    # the reply and the output travel on separate zmq streams: the reply often wins
+    capsys.readouterr()
+    for i in range(40):
+        fleet.run(f"print('end {i}')")
+        text = capsys.readouterr().out
+        assert all(f"[rank {rank}] end {i}" in text for rank in (0, 1)), (i, text)
+
+
 def test_error_on_one_rank_releases_the_rank_blocked_in_all_reduce(fleet):
     code = (
         "import torch, torch.distributed as dist\n"

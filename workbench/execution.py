@@ -26,6 +26,7 @@ from .watchdog import HangWatch
 
 POLL_S = 0.1  # streaming refresh and timeout granularity; results wake us at once
 FAILURE_GRACE_S = 0.2  # let ranks failing with the same error report together
+OUTPUT_WAIT_S = 2.0  # a reply can arrive before the rank's last output (separate zmq streams)
 
 
 @dataclass
@@ -219,6 +220,8 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                 stopper = _Stopper("interrupt", time.monotonic())
             else:
                 stopper.hurry()
+    if output is not None:
+        _wait_for_output(submitted, result.replies)
     refresh(force=True)
     watch.finish(result.replies)
     for notice in sorted({n for reply in result.replies.values() for n in reply.get("notices", ())}):
@@ -242,6 +245,14 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
         error.failed_at = failed_at
         raise error
     return result
+
+
+def _wait_for_output(submitted: dict, replies: dict) -> None:
+    """Wait (briefly) for the output of every rank that answered; a killed or dead one sends none."""
+    deadline = time.monotonic() + OUTPUT_WAIT_S
+    for rank, ar in submitted.items():
+        if ar.ready() and replies.get(rank, {}).get("ename") not in ("EngineError", "Killed"):
+            ar.wait_for_output(max(0.0, deadline - time.monotonic()))
 
 
 def _reply(ar) -> dict:
