@@ -262,12 +262,32 @@ def test_a_deadlocked_rank_is_reported_with_its_stack_and_the_fleet_stays_usable
     assert fleet.run("rank", show_output=False) == [0, 1]
 
 
-def test_a_cell_without_progress_is_not_judged_hung(elastic):
+def test_a_cell_without_progress_or_with_a_late_heartbeat_is_not_judged_hung(elastic):
+    """A plain sleep shows no progress; and rank 1, paused for 1.6 s as a busy machine
+    would delay it, misses a beat. Neither is a hang, even with a 1 s hang timeout."""
+    import contextlib
+    import os
+    import signal
+    import threading
+    import time
+
     fleet = elastic
+    late = fleet.member(1).pid
+
+    def pause_rank_1():
+        os.kill(late, signal.SIGSTOP)
+        time.sleep(1.6)
+        os.kill(late, signal.SIGCONT)
+
     fleet.hang_timeout = 1.0
+    pauser = threading.Timer(0.8, pause_rank_1)
     try:
-        assert fleet.run("import time; time.sleep(3); rank", show_output=False) == [0, 1]
+        pauser.start()
+        assert fleet.run("import time; time.sleep(4); rank", show_output=False) == [0, 1]
     finally:
+        pauser.join()
+        with contextlib.suppress(ProcessLookupError):  # killed as hung: the assert above said so
+            os.kill(late, signal.SIGCONT)
         fleet.hang_timeout = 300.0
 
 

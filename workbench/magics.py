@@ -214,7 +214,8 @@ class WorkbenchMagics(Magics):
             --auto-recover: when an engine dies during a cell, replace it, replay the
             --setup cells, restore the latest checkpoint and run the cell again
             (at most K times, default 3). --hang-timeout: a rank with no heartbeat, or
-            no progress, that long is hung (default 300 s, 0: off). --spares: warm
+            no progress, that long is hung (default 300 s, 0: off; no heartbeat counts
+            only after 3 s, three beats). --spares: warm
             engines kept ready for scale-up and recovery. --memory-limit: per engine
             (CPU: address space; GPU: share of its GPU); going over it is that rank's
             error. --launcher starts the engines through ipyparallel's MPI, Slurm,

@@ -3,8 +3,10 @@
 A hung rank is alive but makes no progress. Its heartbeat (sent by the rank's
 metrics thread, :mod:`workbench.metrics.logger`) shows it in one of two ways:
 
-- no heartbeat for ``hang_timeout`` seconds: the process is frozen (stopped,
-  swapped out, or in native code that holds the GIL);
+- no heartbeat for ``hang_timeout`` seconds (and for at least
+  ``FROZEN_AFTER_MIN_S``, a few heartbeat intervals, so that a short timeout
+  does not mistake a late beat for a frozen rank): the process is frozen
+  (stopped, swapped out, or in native code that holds the GIL);
 - the cell made progress (a forward, an optimizer step, a collective launched,
   ``workbench.log``) and then none for ``hang_timeout`` seconds: stuck in a
   collective or a deadlock. The heartbeat then carries the rank's stack.
@@ -20,7 +22,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from .metrics.logger import BEAT_EVERY_S
+
 DEFAULT_HANG_TIMEOUT_S = 300.0
+FROZEN_AFTER_MIN_S = 3 * BEAT_EVERY_S  # a busy 2-core machine delays a beat by a second or more
 
 
 @dataclass
@@ -56,7 +61,7 @@ class HangWatch:
             if stream is not None and stream.pid != self.pids[rank]:
                 stream = None  # an older engine's stream for this rank
             silent = now - max(stream.beat_at if stream else 0.0, self.started)
-            if silent > self.timeout:
+            if silent > max(self.timeout, FROZEN_AFTER_MIN_S):
                 hangs.append(Hang(rank, f"no heartbeat for {silent:.0f} s (the process is frozen: stopped, or in "
                                         "native code that holds the GIL)", frozen=True))
             elif (stream is not None and stream.cell > self.before[rank]
