@@ -105,8 +105,8 @@ def test_state_and_metrics_stream_while_a_cell_runs(panel):
 
     # the same tab again (a reload): the old comm is closed, the new one gets the whole run
     again = panel.open("tab-1")
+    panel.wait_for(again, _state)  # a new comm gets the state first, then the history
     history = panel.wait_for(again, lambda d: d["type"] == "metrics")
-    panel.wait_for(again, _state)
     assert comm in panel.closed
     assert len(history["points"]) == 80 and {p[0] for p in history["points"]} == {0, 1}
 

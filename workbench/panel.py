@@ -76,9 +76,11 @@ def _engine_row(member, stream) -> dict:
     elif stream is not None and time.time() - stream.beat_at > SILENT_AFTER_S:
         state = "silent"
     memory = (stream.memory if stream is not None else {}) or {}
+    memory_mb = memory.get("cuda_max_mb", memory.get("rss_mb"))
     return {"rank": member.rank, "engine": member.engine_id, "pid": member.pid, "host": member.host,
             "device": member.device, "state": state,
-            "memory_mb": memory.get("cuda_max_mb", memory.get("rss_mb"))}
+            # whole MiB, as shown: fractions would resend the state with every heartbeat
+            "memory_mb": None if memory_mb is None else round(memory_mb)}
 
 
 def _points(records) -> list[list]:
