@@ -7,7 +7,7 @@ Kernel side: :class:`Fleet` and the ``%fleet`` / ``%%distributed`` magics
 import sys
 import types
 
-from . import checkpoint
+from . import checkpoint, llm
 from .errors import CheckpointError, FleetError, OptionsError, WorkbenchError
 from .execution import DistributedCellError
 from .fleet import Fleet
@@ -17,6 +17,7 @@ from .strategies import CellOptions
 __all__ = [
     "CheckpointError",
     "checkpoint",
+    "llm",
     "CellOptions",
     "DistributedCellError",
     "Fleet",

@@ -25,25 +25,36 @@ class RankState:
         self.accelerator = None
         self.accelerator_key = None
         self.pg_sockets: set = set()  # (local, remote) addresses of the group's connections
+        self.group = None  # the default process group workbench made (user code may destroy or replace it)
         self.cells = 0
         self.run_dir: str | None = None  # the fleet run's folder (checkpoints live under it)
         self.in_user_code = False
         self.memory_limit: int | None = None  # bytes (--memory-limit)
 
-    def joined(self, spec, device, pg_sockets: set) -> None:
-        self.spec, self.device, self.pg_sockets = spec, device, pg_sockets
+    def joined(self, spec, device, pg_sockets: set, group) -> None:
+        self.spec, self.device, self.pg_sockets, self.group = spec, device, pg_sockets, group
         self.accelerator = self.accelerator_key = None
 
     def left(self) -> None:
-        self.spec, self.pg_sockets = None, set()
+        self.spec, self.pg_sockets, self.group = None, set(), None
         self.accelerator = self.accelerator_key = None
+
+    def group_intact(self) -> bool:
+        """Whether the default process group is still the one workbench made (a cell may have
+        destroyed it, e.g. through accelerate's ``destroy_process_group``, or made its own)."""
+        torch = sys.modules.get("torch")
+        if self.group is None or torch is None:
+            return self.group is None
+        import torch.distributed as dist
+
+        return dist.is_initialized() and dist.distributed_c10d._get_default_group() is self.group
 
     def ensure_accelerator(self, options: CellOptions):
         """The Accelerator for ``options``, rebuilt when options or process group change."""
         if self.spec is None:
             raise RuntimeError("this engine has no process group; run %fleet start again")
         key = (options, self.spec.generation)
-        if self.accelerator is None or self.accelerator_key != key:
+        if self.accelerator is None or self.accelerator_key != key or _accelerate_state_reset():
             from .strategies import build_accelerator
 
             nodes = self.spec.world_size // max(1, self.spec.local_world_size)
@@ -67,6 +78,14 @@ class RankState:
 
 
 STATE = RankState()
+
+
+def _accelerate_state_reset() -> bool:
+    """accelerate's singletons were cleared since the Accelerator was built (user code called
+    ``AcceleratorState._reset_state``, as accelerate's own test utilities do)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    return not PartialState._shared_state or not AcceleratorState._shared_state
 
 
 def _interrupt_user_code(signum, frame) -> None:
@@ -220,6 +239,7 @@ def _with_metrics(reply: dict) -> dict:
     from .checkpoint.api import take_errors
 
     LOGGER.cell_finished()
+    reply["group_intact"] = STATE.group_intact()
     reply["metrics"] = {"pid": os.getpid(), "seq": LOGGER.flush(), "cell": LOGGER.cells}
     errors = take_errors()  # every rank has the same failure (DCP is collective); rank 0 reports it once
     reply["notices"] = errors if STATE.spec is not None and STATE.spec.rank == 0 else []

@@ -232,7 +232,13 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
         failures = [f for f in failures if f.rank != hang.rank]
         # with a frozen rank, the others only waited for it
         failures.append(RankFailure(hang.rank, "Hung", hang.why, hang.text(), stopped=frozen and not hang.frozen))
-    notes, dead = _repair(fleet, bool(failures) or interrupted or timed_out, released or killed, killed)
+    torn_down = sorted(r for r, reply in result.replies.items() if reply.get("group_intact") is False)
+    notes, dead = _repair(fleet, bool(failures) or interrupted or timed_out or bool(torn_down),
+                          released or killed or bool(torn_down), killed)
+    if torn_down and not failures:
+        print(f"workbench: the cell tore down the default process group on rank {_ranks(torn_down)} "
+              "(destroy_process_group or its own init_process_group); it was rebuilt for the next cell — "
+              "objects prepared before are bound to the old group: prepare them again", file=sys.stderr)
     if timed_out:
         notes.insert(0, f"the cell ran past --timeout {timeout:g} s and was stopped on every rank")
     if interrupted:

@@ -137,6 +137,8 @@ def _distributed_parser() -> _Parser:
     parser.add_argument("--pp", type=_count, default=1, help="pipeline stages (one per rank)")
     parser.add_argument("--microbatches", type=_count, default=4, help="microbatches per pipeline step (default 4)")
     parser.add_argument("--schedule", default="gpipe", help=f"pipeline schedule: {'|'.join(SCHEDULES)}")
+    parser.add_argument("--fsdp-wrap", default="auto",
+                        help="fsdp/hsdp units: auto (each block, then the root) | none (one unit) | ClassName[,...]")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in backward")
     return parser
@@ -303,7 +305,7 @@ class WorkbenchMagics(Magics):
                       [--grad-accum K] [--ranks 0,1] [--timeout S] [--setup]
                       [--comm-hook fp16|bf16|powersgd[:R]] [--mesh RxS] [--tp N]
                       [--pp N [--microbatches M] [--schedule gpipe|1f1b]]
-                      [--activation-checkpointing]
+                      [--activation-checkpointing] [--fsdp-wrap auto|none|ClassName[,...]]
 
         Each rank keeps its own namespace across cells. Defined in every cell:
         accelerator (an accelerate.Accelerator built from the flags; FSDP is
@@ -322,7 +324,12 @@ class WorkbenchMagics(Magics):
         rest with --strategy fsdp); --pp N cuts an nn.Sequential into N stages,
         trained with model.train_step(x, target=y, loss_fn=f);
         --activation-checkpointing recomputes each block in backward. The
-        DeviceMesh is the name `mesh` in the cell.
+        DeviceMesh is the name `mesh` in the cell. fsdp and hsdp shard each block
+        as its own unit, then the root (--fsdp-wrap auto: a Hugging Face model's
+        _no_split_modules, else the items of its nn.ModuleList, else the children
+        of an nn.Sequential); --fsdp-wrap none makes the model one unit.
+        --strategy none wraps nothing, but the rank is still the distributed
+        environment of accelerate launch (your own Accelerator() gathers).
         """
         args = _distributed_parser().parse_args(shlex.split(line))
         fleet = current_fleet()
@@ -330,7 +337,8 @@ class WorkbenchMagics(Magics):
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         options = CellOptions(args.strategy, args.mixed_precision, args.grad_accum, comm_hook=args.comm_hook,
                               mesh=args.mesh, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                              schedule=args.schedule, activation_checkpointing=args.activation_checkpointing)
+                              schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
+                              fsdp_wrap=args.fsdp_wrap)
         result = fleet.execute(cell, options, ranks=args.ranks, timeout=args.timeout, setup=args.setup)
         bundle = result.display(result.ranks[0])
         return _RankValue(bundle) if bundle else None

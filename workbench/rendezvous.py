@@ -101,6 +101,7 @@ def join(spec: dict) -> dict:
         )
     else:
         device = torch.device("cpu")
+    _accelerate_launch_environment(device)
     before = _tcp_connections()
     timeout = timedelta(seconds=spec.timeout_s)
     kwargs = dict(backend=spec.backend, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
@@ -109,9 +110,22 @@ def join(spec: dict) -> dict:
         dist.init_process_group(store=store, **kwargs)
     else:
         dist.init_process_group(init_method=f"tcp://{spec.master_addr}:{spec.master_port}", **kwargs)
-    engine.STATE.joined(spec, device, _tcp_connections() - before)
+    engine.STATE.joined(spec, device, _tcp_connections() - before, dist.distributed_c10d._get_default_group())
     engine.apply_memory_limit()
     return {"rank": spec.rank, "device": str(device), "backend": dist.get_backend()}
+
+
+def _accelerate_launch_environment(device) -> None:
+    """What ``accelerate launch`` exports for its processes, so that user code building its own
+    ``Accelerator()`` / ``PartialState()`` gets the same distributed environment as ours."""
+    if device.type == "cpu":
+        os.environ["ACCELERATE_USE_CPU"] = "True"  # else accelerate sees no distributed CPU run
+    else:
+        os.environ.pop("ACCELERATE_USE_CPU", None)
+    if device.type == "cuda" and device.index != int(os.environ["LOCAL_RANK"]):
+        # one GPU per engine: cuda:0 is this rank's GPU, not cuda:LOCAL_RANK as accelerate's DDP
+        # wrapper assumes (device_ids=[local rank]); DDP then takes the model's own device
+        os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
 
 
 def _tcp_connections() -> set[tuple]:

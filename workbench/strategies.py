@@ -31,6 +31,13 @@ class CellOptions:
     microbatches: int = 4
     schedule: str = "gpipe"
     activation_checkpointing: bool = False
+    fsdp_wrap: str = "auto"  # fsdp/hsdp units: auto (blocks) | none (root only) | ClassName[,ClassName]
+
+    @property
+    def wraps_model(self) -> bool:
+        """accelerate wraps the model (DDP or FSDP2); with ``none`` and workbench's own
+        parallelism the model is left as it is, but the rank is still distributed."""
+        return self.strategy in ("ddp", "fsdp") and not self.custom_parallel
 
     @property
     def custom_parallel(self) -> bool:
@@ -63,6 +70,13 @@ class CellOptions:
                 "fp16 mixed precision needs a GPU (it relies on CUDA's grad scaler); "
                 "on CPU use --mixed-precision bf16 or no"
             )
+        if self.fsdp_wrap != "auto":
+            from .parallel.fsdp import parse_wrap
+
+            parse_wrap(self.fsdp_wrap)
+            if self.strategy not in ("fsdp", "hsdp"):
+                raise OptionsError(f"--fsdp-wrap chooses FSDP units: use it with --strategy fsdp or hsdp "
+                                   f"(not {self.strategy})")
         from .parallel.options import check_parallel
 
         check_parallel(self, world_size, nodes, backend)
@@ -79,7 +93,8 @@ def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
     (:mod:`workbench.metrics.instrument`). The process group must already exist. accelerate enables FSDP only for
     GPU-like device types and silently wraps DDP on CPU; for ``fsdp`` on CPU
     the state is switched to FSDP explicitly, which accelerate's FSDP2 path
-    supports on gloo (parameters become DTensor shards).
+    supports on gloo (parameters become DTensor shards). Every other strategy keeps
+    the distributed type accelerate finds (MULTI_CPU, MULTI_GPU), as under ``accelerate launch``.
     """
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import (
@@ -92,7 +107,7 @@ def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
     # process group) needs them cleared first.
     AcceleratorState._reset_state(True)
     plugin = None
-    if options.strategy == "fsdp":
+    if options.strategy == "fsdp" and not options.custom_parallel:  # with --tp, workbench applies FSDP itself
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
     from .metrics.instrument import accelerator_class
 
@@ -107,21 +122,17 @@ def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
     )
     state = accelerator.state
-    wanted = {
-        "fsdp": DistributedType.FSDP,
-        "none": DistributedType.NO,
-    }.get(options.strategy)
     if options.custom_parallel:  # workbench.parallel shards or splits the model; accelerate only places it
-        wanted = DistributedType.NO
         from .parallel.model import build_mesh
 
         accelerator.workbench_mesh = build_mesh(options, state.num_processes, nodes, device_type)
     accelerator.workbench_options = options
-    if wanted is not None and state.distributed_type != wanted:
-        state.distributed_type = wanted
-        PartialState._shared_state["distributed_type"] = wanted
-        if wanted == DistributedType.FSDP:
-            if options.mixed_precision != "no":
-                plugin.set_mixed_precision(options.mixed_precision)
-            state.fsdp_plugin = plugin
+    # ddp and none keep accelerate's own distributed type (MULTI_CPU / MULTI_GPU), so the rank is
+    # the distributed environment `accelerate launch` gives; `none` only skips wrapping the model
+    if plugin is not None and state.distributed_type != DistributedType.FSDP:
+        state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if options.mixed_precision != "no":
+            plugin.set_mixed_precision(options.mixed_precision)
+        state.fsdp_plugin = plugin
     return accelerator

@@ -190,7 +190,8 @@ def accelerator_class():
 
             def prepare(self, *args, **kwargs):
                 options = self.workbench_options
-                if options is not None and (options.custom_parallel or options.activation_checkpointing):
+                if options is not None and (options.custom_parallel or options.activation_checkpointing
+                                            or self.is_fsdp2):
                     args = self._parallelize(args)
                 result = super().prepare(*args, **kwargs)
                 from ..engine import STATE
@@ -203,6 +204,25 @@ def accelerator_class():
                         pass
                 return result
 
+            def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+                """``--strategy none`` and workbench's own parallelism: placed, not wrapped (the
+                rank stays a distributed environment: gather, samplers and the rest still work)."""
+                options = self.workbench_options
+                if options is not None and not options.wraps_model:
+                    evaluation_mode = True  # accelerate's switch for "no DDP wrapper"
+                return super().prepare_model(model, device_placement=device_placement,
+                                             evaluation_mode=evaluation_mode)
+
+            def _fsdp_unit_kwargs(self) -> dict | None:
+                """``fully_shard`` arguments of the blocks, as accelerate's FSDP2 plugin shards the root."""
+                if not self.is_fsdp2:
+                    return None
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                plugin = self.state.fsdp_plugin
+                return {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
+                        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+
             def _parallelize(self, args):
                 """Models through :func:`workbench.parallel.prepare_model`; optimizers pointed at
                 the new parameters (also when model and optimizer come in separate calls)."""
@@ -214,7 +234,8 @@ def accelerator_class():
                 out = []
                 for obj in args:
                     if isinstance(obj, torch.nn.Module) and not getattr(obj, "_workbench_parallel", False):
-                        obj, moved = prepare_model(obj, self.workbench_options, self.workbench_mesh, self.device)
+                        obj, moved = prepare_model(obj, self.workbench_options, self.workbench_mesh, self.device,
+                                                   self._fsdp_unit_kwargs())
                         obj._workbench_parallel = True
                         swapped.update(moved)
                     out.append(obj)

@@ -46,6 +46,8 @@ class MetricsLogger:
         self.cells = 0  # cells (and functions) this process has run; heartbeats say which one
         self.activity = 0  # records and forward calls; with collectives launched, the heartbeat's progress
         self.comm = CommClock()
+        self.flops_per_token: float | None = None  # set by workbench.llm.track_mfu
+        self.peak_flops: float | None = None
         self._buffer: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._flush = threading.Event()
@@ -68,7 +70,11 @@ class MetricsLogger:
 
     def log(self, step: int | None = None, scalars: dict | None = None) -> None:
         scalars = _checked(scalars or {})
-        system, self._stepped = self._stepped or self._measure(scalars), None
+        if self._stepped is not None:  # logged after optimizer.step(): that step's measurements
+            system, self._stepped = self._stepped, None
+            self._add_rates(system, scalars)
+        else:
+            system = self._measure(scalars)
         self._record(step, scalars, system)
 
     def optimizer_stepped(self) -> None:
@@ -90,13 +96,22 @@ class MetricsLogger:
         now = time.perf_counter()
         interval = max(now - self._interval_start, 1e-9)
         system = {"step_time_s": interval, "comm_s": self.comm.take(now)}
-        samples = scalars.get("samples", self._samples)
-        if samples:
-            system["samples_per_s"] = samples / interval
-        if "tokens" in scalars:
-            system["tokens_per_s"] = scalars["tokens"] / interval
+        if self._samples:
+            system["samples_per_s"] = self._samples / interval
+        self._add_rates(system, scalars)
         self._interval_start, self._samples = now, 0
         return system
+
+    def _add_rates(self, system: dict, scalars: dict) -> None:
+        """Throughput from the counts the user logged for this step (``samples=``, ``tokens=``),
+        and MFU once :func:`workbench.llm.track_mfu` said the FLOPs per token."""
+        interval = system["step_time_s"]
+        if scalars.get("samples"):
+            system["samples_per_s"] = scalars["samples"] / interval
+        if "tokens" in scalars:
+            system["tokens_per_s"] = scalars["tokens"] / interval
+            if self.flops_per_token and self.peak_flops:
+                system["mfu"] = system["tokens_per_s"] * self.flops_per_token / self.peak_flops
 
     def _record(self, step: int | None, scalars: dict, system: dict) -> None:
         if step is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-SYSTEM_FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "comm_s", "rss_mb", "cuda_max_mb")
+SYSTEM_FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "comm_s", "rss_mb", "cuda_max_mb")
 
 
 @dataclass

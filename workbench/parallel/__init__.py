@@ -5,13 +5,15 @@
 - ``--strategy hsdp --mesh RxS``: FSDP2 on a 2-D mesh, replicate x shard;
 - ``--tp N``: ``torch.distributed.tensor.parallel`` on a dp x tp mesh (:mod:`.tensor`);
 - ``--pp N``: ``torch.distributed.pipelining`` stages and schedules (:mod:`.pipeline`);
-- ``--activation-checkpointing``: torch's checkpoint wrapper on each block.
+- ``--activation-checkpointing``: torch's checkpoint wrapper on each block;
+- ``--fsdp-wrap``: which blocks become their own FSDP2 units (:mod:`.fsdp`).
 
 :func:`prepare_model` applies these in ``accelerator.prepare``
 (:mod:`workbench.metrics.instrument`); accelerate then only places the model,
 and wraps optimizers, schedulers and dataloaders as usual.
 """
 
-from .model import blocks, build_mesh, prepare_model
+from .fsdp import UnshardedPeak, blocks, fsdp_unit_count, fsdp_units
+from .model import build_mesh, prepare_model
 
-__all__ = ["blocks", "build_mesh", "prepare_model"]
+__all__ = ["UnshardedPeak", "blocks", "build_mesh", "fsdp_unit_count", "fsdp_units", "prepare_model"]

@@ -21,25 +21,14 @@ def build_mesh(options, world_size: int, nodes: int, device_type: str):
     return None
 
 
-def blocks(model) -> list:
-    """The model's repeated blocks: the items of its ``nn.ModuleList`` s (transformer layers),
-    else the children of a top-level ``nn.Sequential`` that hold parameters."""
-    import torch
-
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    if lists:
-        return [block for layer_list in lists for block in layer_list]
-    if isinstance(model, torch.nn.Sequential):
-        return [child for child in model.children() if any(True for _ in child.parameters())]
-    return []
-
-
 def checkpoint_activations(model) -> int:
     """Recompute each block's activations in backward (torch's checkpoint wrapper); returns how many."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
         checkpoint_wrapper,
     )
+
+    from .fsdp import blocks
 
     chosen = {id(b) for b in blocks(model)}
     if not chosen:
@@ -49,20 +38,22 @@ def checkpoint_activations(model) -> int:
     return len(chosen)
 
 
-def _hsdp(model, mesh, mixed_precision: str) -> None:
+def _hsdp(model, mesh, mixed_precision: str, wrap: str) -> None:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .fsdp import shard_units
 
     policy = MixedPrecisionPolicy()
     if mixed_precision == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+    shard_units(model, wrap, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def prepare_model(model, options, mesh, device):
+def prepare_model(model, options, mesh, device, fsdp_unit_kwargs: dict | None = None):
     """Apply ``--tp``, ``--activation-checkpointing``, then hsdp / FSDP over tp's dp / ``--pp``
+    / the blocks of ``--strategy fsdp`` (``fsdp_unit_kwargs``: accelerate shards the root after)
     (torchtitan's order) to ``model``. Returns the model to use (for --pp, this rank's
     stage) and ``{id(old parameter): new parameter, or None when it lives on another
     stage}`` (with a weak reference to the old one) for optimizers built before."""
@@ -76,9 +67,13 @@ def prepare_model(model, options, mesh, device):
     if options.activation_checkpointing:
         checkpoint_activations(model)
     if options.strategy == "hsdp":
-        _hsdp(model, mesh, options.mixed_precision)
+        _hsdp(model, mesh, options.mixed_precision, options.fsdp_wrap)
     elif options.tp > 1 and mesh["dp"].size() > 1:
         fully_shard(model, mesh=mesh["dp"])
+    elif fsdp_unit_kwargs is not None:
+        from .fsdp import shard_units
+
+        shard_units(model, options.fsdp_wrap, **fsdp_unit_kwargs)
     elif options.pp > 1:
         from .pipeline import PipelinedModel
 
