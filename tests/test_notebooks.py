@@ -73,3 +73,11 @@ def test_notebook_runs_headless(path, tmp_path):
         assert "scale 2→4: done" in text
         assert "HSDP mesh [[0, 1], [2, 3]]: w1 ['R', 'S(0)'], local (64, 32) of (128, 32)" in text
         assert "dp x tp mesh [[0, 1], [2, 3]]: w1 local (32, 32) of (128, 32)" in text
+    if path.name == "06_llm.ipynb":
+        assert re.search(r"\[rank 0\] [0-9,]+ parameters in 8 FSDP units on 2 ranks", text)  # 4 layers, embed, tail x2, root
+        first, last = map(float, re.search(r"\[rank 0\] loss ([0-9.]+) -> ([0-9.]+) at step 40 on 2 ranks", text).groups())
+        assert last < first - 0.5, "the loss goes down"
+        assert re.search(r"rank +records +steps/s .* tokens/s +MFU %", text)
+        assert "scale 2→3: done" in text and "[rank 2] loss" in text and "at step 70 on 3 ranks" in text
+        assert "recover: done" in text and "[rank 1] after recovery: loss" in text and "at step 100 on 3 ranks" in text
+        assert "[rank 0] Trainer: 20 steps on 3 ranks, mean loss" in text

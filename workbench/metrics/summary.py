@@ -48,6 +48,9 @@ def summary_text(records: list[Record], run_id: str, dropped: int = 0) -> str:
     names: dict[str, None] = {}
     for record in records:
         names.update(dict.fromkeys(record.scalars))
+    for count in ("samples", "tokens"):  # per-step counts: shown as throughput below, not as scalars
+        if any(count + "_per_s" in r.system for r in records):
+            names.pop(count, None)
     rows = []
     for name in names:
         for rank, recs in ranks.items():

@@ -130,6 +130,7 @@ class UnshardedPeak:
 
         self.bytes = 0
         self._groups = []
+        self._sizes: list[int] | None = None  # known once FSDP's lazy init set the compute dtypes
         self._handles = []
         for module in model.modules():
             if not isinstance(module, FSDPModule):
@@ -137,14 +138,23 @@ class UnshardedPeak:
             group = module._get_fsdp_state()._fsdp_param_group
             if group is None:
                 continue
-            size = sum(p._orig_size.numel() * (p.param_dtype or p.orig_dtype).itemsize for p in group.fsdp_params)
-            self._groups.append((group, size))
+            self._groups.append(group)
             self._handles.append(module.register_forward_pre_hook(self._sample))
             self._handles.append(module.register_forward_hook(self._sample))
-        self.full_bytes = sum(size for _, size in self._groups)  # every FSDP-managed parameter, unsharded
+
+    @property
+    def full_bytes(self) -> int:
+        """Every FSDP-managed parameter, unsharded (in its compute dtype)."""
+        return sum(self._group_sizes())
+
+    def _group_sizes(self) -> list[int]:
+        if self._sizes is None:
+            self._sizes = [sum(p._orig_size.numel() * (getattr(p, "param_dtype", None) or p.sharded_param.dtype).itemsize
+                               for p in group.fsdp_params) for group in self._groups]
+        return self._sizes
 
     def _sample(self, *_args) -> None:
-        now = sum(size for group, size in self._groups if group.is_unsharded)
+        now = sum(size for group, size in zip(self._groups, self._group_sizes(), strict=True) if group.is_unsharded)
         self.bytes = max(self.bytes, now)
 
     def __enter__(self) -> "UnshardedPeak":
