@@ -58,8 +58,12 @@ class _Phases:
 
 def _replay_and_restore(fleet, phases: _Phases, tag: str) -> dict:
     def replay():
-        for code, options in fleet.setup_cells:
-            fleet.execute(code, options, show_output=False)
+        fleet.replaying = True
+        try:
+            for code, options in fleet.setup_cells:
+                fleet.execute(code, options, show_output=False)
+        finally:
+            fleet.replaying = False
 
     phases.run("setup", f"replaying {len(fleet.setup_cells)} setup cell(s)", replay)
     if tag == "latest" and not [e for e in fleet.checkpoints.list() if e.state == "complete"]:
@@ -98,6 +102,9 @@ def scale(fleet, n: int) -> dict:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise OptionsError(f"scale needs a whole number of ranks >= 1 (got {n!r}); e.g. %fleet scale 3")
     fleet._targets(None)
+    if fleet.fresh_ranks:
+        raise OptionsError(f"rank {','.join(map(str, fleet.fresh_ranks))} was replaced and has no state yet; "
+                           "run %fleet recover before scaling")
     old = fleet.world_size
     if n == old:
         raise OptionsError(f"the fleet already has {n} ranks")

@@ -311,7 +311,7 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> tuple[list[str],
     if not abnormal:
         return [], []
     dead = fleet.dead_ranks()
-    lost = [f"rank {r} (engine {fleet.member(r).engine_id}, pid {fleet.member(r).pid})" for r in dead]
+    causes = {r: fleet.loss_cause(r) for r in dead}
     if dead:
         fleet.replace(dead)
         torn = True
@@ -326,12 +326,15 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> tuple[list[str],
         fleet.rendezvous()
     except WorkbenchError as exc:
         return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"], dead
+    if (dead or killed) and fleet.fresh_ranks:
+        what = "; ".join(causes.values()) if dead else "a rank that did not stop was killed"
+        return [f"{what}. It was replaced by a fresh engine with an empty namespace: run %fleet recover next "
+                "(rebuilds the group, replays the --setup cells and restores the latest checkpoint on every "
+                "rank, so all ranks agree on the state); other cells are refused until then"], dead
     notes = ["the process group was rebuilt; models and optimizers prepared before are bound to the old "
              "group: run the cell that calls accelerator.prepare again"]
-    if dead:
-        notes.append(f"the engine of {', '.join(lost)} died: its process vanished without a Python error (killed by "
-                     "a signal such as SIGKILL or the OOM killer, or crashed). It was replaced by a fresh one with an "
-                     "empty namespace: %fleet recover replays the --setup cells and restores the latest checkpoint")
-    if killed:
-        notes.append("a rank that did not stop was restarted with an empty namespace: run your setup cells again")
+    if dead or killed:  # every rank was replaced: they all start from empty namespaces
+        notes = ["every rank was replaced by a fresh engine (empty namespaces; "
+                 + "; ".join(causes.values() or ["ranks that did not stop were killed"])
+                 + "): run your setup cells again, or %fleet recover to replay them and restore the latest checkpoint"]
     return notes, dead

@@ -38,6 +38,10 @@ from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 DEFAULT_ENGINE_TIMEOUT_S = 120.0
+# ipyparallel's hub unregisters an engine after this many missed 3 s heartbeats (its default, 10,
+# unregistered live engines of a 2-core machine at load 18); a local engine counts as dead only
+# once its process is gone, so this bounds how long a silent engine on another host takes
+HUB_HEARTBEAT_MISSES = 40
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
@@ -127,7 +131,8 @@ class Fleet:
             raise OptionsError(f"--hang-timeout must be >= 0 seconds, 0 to turn it off (got {hang_timeout})")
         self.hang_timeout = hang_timeout or None  # a rank without heartbeat or progress this long is hung
         self.restarts = 0
-        self.fresh_ranks: list[int] = []  # replaced after dying, not set up again yet
+        self.fresh_ranks: list[int] = []  # replaced after dying, not set up again yet: cells wait for recover
+        self.replaying = False  # recover/scale replaying the setup cells (runs on fresh ranks too)
         self.members: list[Member] = []
         if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
             raise OptionsError(f"--spares must be a whole number >= 0 (got {spares!r})")
@@ -173,11 +178,14 @@ class Fleet:
                 self._attach()
             else:
                 progress.show(f"fleet: starting controller ({self.launcher.name} engines)…")
+                kwargs = self.launcher.cluster_kwargs()
+                kwargs["controller_args"] = [*kwargs.get("controller_args", ()),
+                                             f"--HeartMonitor.max_heartmonitor_misses={HUB_HEARTBEAT_MISSES}"]
                 self._cluster = ipp.Cluster(
                     profile_dir=os.path.join(self.runtime_dir, "profile"),
                     log_level=logging.ERROR,  # start-up failures are reported by us
                     engine_timeout=self.engine_timeout,
-                    **self.launcher.cluster_kwargs(),
+                    **kwargs,
                 )
                 self.launcher.configure(self._cluster)
                 self._cluster.start_controller_sync()
@@ -454,7 +462,9 @@ class Fleet:
             self.client.send_signal(sig, targets=self.engine_ids(ranks), block=True)
 
     def dead_ranks(self, settle_s: float = 2.0) -> list[int]:
-        """Ranks whose engine has unregistered (it died), after letting the hub notice."""
+        """Ranks whose engine is gone (its process ended) or unreachable (the hub unregistered it
+        after HUB_HEARTBEAT_MISSES missed heartbeats), after letting the hub notice a death.
+        :meth:`loss_cause` says which."""
         deadline = time.monotonic() + settle_s
         while True:
             alive = set(self.client.ids)
@@ -463,6 +473,17 @@ class Fleet:
             if set(gone) <= set(dead) or time.monotonic() > deadline:
                 return sorted(set(dead) | set(gone))
             time.sleep(0.05)
+
+    def loss_cause(self, rank: int) -> str:
+        """Why rank ``rank``'s engine is lost, in words: its process died, or it is alive but
+        the controller lost contact with it (a starved machine), never "died" for a live one."""
+        m = self.member(rank)
+        who = f"rank {rank} (engine {m.engine_id}, pid {m.pid})"
+        if m.host == socket.gethostname() and _alive(m.pid):
+            return (f"the controller lost contact with {who}: its process is alive but missed "
+                    f"{HUB_HEARTBEAT_MISSES} heartbeats (the machine may be overloaded)")
+        return (f"the engine of {who} died: its process vanished without a Python error (killed by a signal "
+                "such as SIGKILL or the OOM killer, or crashed)")
 
     def replace(self, ranks: list[int]) -> None:
         """Kill the engines of ``ranks`` and start fresh ones in their slots.
@@ -487,6 +508,8 @@ class Fleet:
         self.members = [m for m in self.members if m.engine_id not in gone]
         self._add_engines([m.slot for m in dead])
         self.fresh_ranks = sorted(set(self.fresh_ranks) | set(ranks))
+        if len(self.fresh_ranks) == self.world_size:  # every rank starts over: they agree (all empty)
+            self.fresh_ranks = []
 
     # ------------------------------------------------------------------ process group
     def rendezvous(self) -> None:
@@ -562,6 +585,7 @@ class Fleet:
         if setup and ranks is not None and len(targets) != self.world_size:
             raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
         self._recover_if_dead()
+        self._refuse_unrecovered()
         self._cells += 1
         name = f"distributed-cell-{self._cells}"
         args = (code, options.to_dict(), name, return_value, not return_value)
@@ -584,6 +608,13 @@ class Fleet:
         self._adopt_spares()  # spares that registered while the cell ran get warm now
         return result
 
+    def _refuse_unrecovered(self) -> None:
+        """A replaced rank has an empty namespace: running cells before %fleet recover would leave
+        ranks at different steps and parameters (and end in a collective timeout)."""
+        if self.fresh_ranks and not self.replaying:
+            raise FleetError(f"rank {','.join(map(str, self.fresh_ranks))} was replaced by a fresh engine (empty "
+                             "namespace); run %fleet recover first, so that every rank has the same state")
+
     def _recover_if_dead(self) -> None:
         """An engine that died between cells: recover (with --auto-recover) or say what to do."""
         dead = self.dead_ranks(settle_s=0.0)
@@ -595,8 +626,9 @@ class Fleet:
                   f"{','.join(map(str, dead))} died; recovering from the latest checkpoint", file=sys.stderr, flush=True)
             self.recover()
             return
-        raise FleetError(f"the engine of rank {','.join(map(str, dead))} died; run %fleet recover (replaces it, "
-                         "replays the --setup cells, restores the latest checkpoint)")
+        causes = "; ".join(self.loss_cause(r) for r in dead)
+        raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, restores the "
+                         "latest checkpoint on every rank)")
 
     def scale(self, n: int) -> dict:
         """Resize to ``n`` ranks mid-session: checkpoint, new process group, setup replay,
@@ -664,6 +696,7 @@ class Fleet:
         if callable(code_or_function):
             targets = self._targets(ranks)
             self._validate(options, targets)
+            self._refuse_unrecovered()
             call = (code_or_function, args, kwargs, options.to_dict())
             result = execution.run_on_ranks(
                 self, targets, engine.run_function, call, timeout=timeout, show_output=show_output
