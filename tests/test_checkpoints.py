@@ -166,6 +166,31 @@ def test_incomplete_and_corrupt_checkpoints_are_never_used(fleet):
         fleet.checkpoints.restore("nope")
 
 
+@pytest.mark.parametrize("damage", ["files-null", "created-string", "manifest-folder", "no-files", "outside"])
+def test_a_damaged_manifest_never_breaks_listing_or_other_restores(fleet, damage):
+    import json
+
+    _setup(fleet, "ddp")
+    good = fleet.checkpoints.save(tag=f"good-{damage}")
+    folder = fleet.checkpoints.folder
+    bad = os.path.join(folder, f"bad-{damage}")
+    shutil.copytree(os.path.join(folder, good), bad)
+    path = os.path.join(bad, layout.MANIFEST)
+    data = json.load(open(path))
+    if damage == "manifest-folder":
+        os.remove(path)
+        os.mkdir(path)
+    else:
+        data.update({"files-null": {"files": None}, "created-string": {"created": "yesterday", "step": 10**6},
+                     "no-files": {"files": {}}, "outside": {"files": {"../../../etc/passwd": 1}}}[damage])
+        json.dump(data, open(path, "w"))
+    assert f"bad-{damage}" not in [e.tag for e in fleet.checkpoints.list()]
+    assert layout.resolve(folder, "latest").endswith(f"/{good}")
+    with pytest.raises(CheckpointError, match=f"checkpoint 'bad-{damage}' is corrupt"):
+        fleet.checkpoints.restore(f"bad-{damage}")
+    fleet.checkpoints.restore(good)  # another, good tag still restores
+
+
 def test_mismatched_shapes_name_the_keys_and_change_nothing(fleet):
     _setup(fleet, "ddp", width=32)
     tag = fleet.checkpoints.save(tag="width32")
@@ -286,16 +311,23 @@ def three_ranks():
 
 
 def test_sigkill_of_a_rank_during_a_save_keeps_the_last_checkpoint(fleet, tmp_path):
-    _setup(fleet, "fsdp")
+    from workbench import CellOptions, FleetError
+
+    fleet.execute(SETUP.format(width=32), CellOptions("fsdp"), show_output=False, setup=True)
+    fleet.run(TRAIN.format(steps=3), strategy="fsdp", show_output=False)
     good = fleet.checkpoints.save(tag="before-kills")
-    for attempt in range(3):
-        error = kill_rank_during_save(fleet, victim=1 if attempt % 2 == 0 else 0, gate=str(tmp_path / "gate"))
-        assert isinstance(error, DistributedCellError), error
-        assert "died: its process vanished" in error.report() and "was replaced" in error.report()
-        assert layout.resolve(fleet.checkpoints.folder, "latest").endswith(f"/{good}")
-        assert not [e for e in fleet.checkpoints.list() if e.state == "writing"]
-        assert not [n for n in os.listdir(fleet.checkpoints.folder) if n.startswith(layout.TMP_PREFIX)]
-        assert len(fleet.run("rank", show_output=False)) == 2, "the dead rank was replaced"
-        _setup(fleet, "fsdp")  # the new engine starts empty: set up again
-        assert fleet.checkpoints.restore("latest")["tag"] == good
+    try:
+        for attempt in range(3):
+            error = kill_rank_during_save(fleet, victim=1 if attempt % 2 == 0 else 0, gate=str(tmp_path / "gate"))
+            assert isinstance(error, DistributedCellError), error
+            assert "died: its process vanished" in error.report() and "was replaced" in error.report()
+            assert layout.resolve(fleet.checkpoints.folder, "latest").endswith(f"/{good}")
+            assert not [e for e in fleet.checkpoints.list() if e.state == "writing"]
+            assert not [n for n in os.listdir(fleet.checkpoints.folder) if n.startswith(layout.TMP_PREFIX)]
+            with pytest.raises(FleetError, match="run %fleet recover first"):
+                fleet.run("rank", show_output=False)  # the new engine starts empty: one recipe, recover
+            assert fleet.recover()["checkpoint"] == good
+            assert len(fleet.run("rank", show_output=False)) == 2, "the dead rank was replaced"
+    finally:
+        fleet.setup_cells = []
     assert fleet.checkpoints.save(tag="after-kills") == "after-kills"

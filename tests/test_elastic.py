@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import fleet_processes, wait_until_gone
 
@@ -123,6 +125,12 @@ def test_a_killed_engine_is_recovered_from_the_last_checkpoint(elastic):
     assert not worker.is_alive(), "the surviving rank was released"
     assert time.monotonic() - killed_at < 30
     report = outcome["error"].report()
+    headline = str(outcome["error"])  # the root cause leads, not rank 0's "Connection closed by peer"
+    assert re.match(rf"rank 1 died \(engine \d+, pid {victim}(, SIGKILL)?\) of 2", headline), headline
+    assert report.splitlines()[0].startswith("── rank 1 died"), report
+    assert re.search(r"^rank 0: \w+: .* \(because of it\)$", report, re.M), report
+    assert "── full tracebacks of the other ranks ──" in report  # kept, after the summary
+    print(f"SIGKILL to headline: {time.monotonic() - killed_at:.2f} s")
     assert "the engine of rank 1 (engine " in report and f"pid {victim}) died" in report, report
     assert "OOM killer" in report and "run %fleet recover next" in report
     assert "accelerator.prepare again" not in report, "one recovery path: the advice that ended in a hang is gone"
@@ -333,3 +341,22 @@ def test_warm_spares_take_new_and_lost_ranks():
             _equal(before, got)
         pids = [m.pid for m in fleet.members] + [s["pid"] for s in fleet.spare_status()["ready"]]
     assert not wait_until_gone(pids, timeout=10), "ranks and spares are gone after stop"
+
+
+def test_recover_without_a_checkpoint_puts_every_rank_at_the_same_state():
+    import os
+    import signal
+
+    params = "({n: p.detach().clone() for n, p in model.named_parameters()}, workbench.step)"
+    with Fleet(n=2, progress=False, wandb=False) as fleet:
+        fleet.execute(SETUP, fleet_options("ddp"), show_output=False, setup=True)
+        fleet.run(TRAIN, show_output=False)
+        assert fleet.run("workbench.step", show_output=False) == [4, 4]
+        victim = fleet.member(1).pid
+        os.kill(victim, signal.SIGKILL)
+        assert not wait_until_gone([victim])
+        result = fleet.recover()
+        assert result["checkpoint"] is None and result["replaced"] == [1]
+        (p0, step0), (p1, step1) = fleet.run(params, show_output=False)
+        assert step0 == step1 == 0, "the survivor is not left at step 4 while the new rank is at 0"
+        assert all((p0[k] == p1[k]).all() for k in p0)

@@ -71,6 +71,8 @@ def test_subset_of_ranks(fleet):
     assert fleet.run("rank", ranks=[1]) == [1]
     with pytest.raises(OptionsError, match="out of range"):
         fleet.run("rank", ranks=[2])
+    with pytest.raises(OptionsError, match="ranks are whole numbers"):
+        fleet.run("rank", ranks=["0"])
 
 
 def test_status_table_rows(fleet):
@@ -224,3 +226,66 @@ def test_status_while_a_cell_runs_shows_busy(fleet):
     pending.get()
     assert [r["state"] for r in rows] == ["idle", "busy"]
     assert rows[1]["memory"].endswith("MiB")
+
+
+def test_a_fleet_the_machine_cannot_hold_is_refused_before_starting(capfd):
+    import psutil
+
+    from workbench import OptionsError
+    from workbench.fleet import ENGINE_MEMORY_BYTES
+
+    too_many = psutil.virtual_memory().available // ENGINE_MEMORY_BYTES + 8
+    with pytest.raises(OptionsError, match=f"^{too_many} CPU engines need about .* use at most -n"):
+        Fleet(n=too_many)
+    Fleet(n=os.cpu_count() * 4 + 1)  # fits in memory: only a warning, nothing started
+    assert "will be slow" in capfd.readouterr().err
+
+
+def test_status_is_bounded_when_the_controller_is_frozen(fleet):
+    import psutil
+
+    controllers = [p for p in psutil.Process().children(recursive=True)
+                   if "ipyparallel.controller" in " ".join(p.cmdline()) and p.pid in _cluster_pids(fleet)]
+    assert controllers
+    for proc in controllers:
+        proc.suspend()
+    started = time.monotonic()
+    try:
+        with pytest.raises(FleetError, match="the controller did not answer within 5 s"):
+            fleet.status()
+    finally:
+        for proc in controllers:
+            proc.resume()
+    assert time.monotonic() - started < 10
+    assert len(fleet.status()) == 2  # answers again once it runs
+
+
+def _cluster_pids(fleet) -> set[int]:
+    import psutil
+
+    launcher = fleet._cluster.controller
+    root = psutil.Process(launcher.process.pid)
+    return {root.pid, *(c.pid for c in root.children(recursive=True))}
+
+
+def test_a_dead_nanny_or_a_dead_engine_and_nanny_hang_nothing():
+    import psutil
+
+    with Fleet(n=2, progress=False, wandb=False) as fleet:
+        for nanny in psutil.Process(fleet.member(1).pid).children():
+            nanny.kill()  # only rank 1's nanny: signals to it used to block forever
+        started = time.monotonic()
+        with pytest.raises(DistributedCellError, match="timed out after --timeout 2 s"):
+            fleet.run("import time\ntime.sleep(60)", timeout=2, show_output=False)
+        assert time.monotonic() - started < 20
+
+        victim = psutil.Process(fleet.member(1).pid)  # engine and nanny die mid-all_reduce
+        threading.Timer(1.5, lambda: [p.kill() for p in [victim, *victim.children()]]).start()
+        started = time.monotonic()
+        with pytest.raises(DistributedCellError) as info:
+            fleet.run("import time, torch, torch.distributed as dist\nif rank == 1:\n    time.sleep(30)\n"
+                      "t = torch.ones(1)\ndist.all_reduce(t)", show_output=False)
+        assert time.monotonic() - started < 20, "the cell ends within seconds, not at a gloo or hub timeout"
+        assert str(info.value).startswith("rank 1 died"), str(info.value)
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < 30, "stop() is bounded"

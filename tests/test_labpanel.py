@@ -53,11 +53,15 @@ def server(trained_run, tmp_path_factory):
     proc.wait(timeout=10)
 
 
+def _not_json(name):
+    raise AssertionError(f"{name} is not JSON: a browser's JSON.parse rejects it")
+
+
 def _get(url: str, token: str | None = None):
     request = urllib.request.Request(url, headers={"Authorization": f"token {token}"} if token else {})
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
+            return response.status, json.loads(response.read(), parse_constant=_not_json)
     except urllib.error.HTTPError as exc:
         return exc.code, None
 
@@ -100,3 +104,37 @@ def test_routes_serve_the_runs_checkpoints_and_metrics_on_disk(server, trained_r
     assert status == 200 and later["records"] == [] and later["next"] == metrics["next"]
     assert _get(f"{url}/workbench/api/runs/no-such-run/checkpoints", token)[0] == 404
     assert _get(f"{url}/workbench/api/runs/{run_id}/metrics?since=x", token)[0] == 400
+
+
+def test_diverged_damaged_and_escaping_runs_are_served_as_valid_json(server, trained_run, tmp_path):
+    url, token = server
+    _run_id, _tag, runs_root = trained_run
+    run = pathlib.Path(runs_root) / "diverged-run"
+    run.mkdir(exist_ok=True)
+    record = {"time": 1.0, "rank": 0, "step": 0, "scalars": {"loss": 1.5}, "system": {}}
+    lines = [json.dumps(record), '{"time": 2.0, "rank": 0, "step": 1, "scalars": {"loss": NaN}, "system": {}}',
+             "{damaged", json.dumps({**record, "step": 2, "scalars": {"loss": float("inf")}})]  # older runs wrote bare NaN
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (pathlib.Path(runs_root) / "escape").symlink_to(outside)
+    status, runs = _get(f"{url}/workbench/api/runs", token)
+    assert status == 200 and "diverged-run" in [r["id"] for r in runs["runs"]]
+    assert "escape" not in [r["id"] for r in runs["runs"]], "a link out of the runs folder is not followed"
+    status, metrics = _get(f"{url}/workbench/api/runs/diverged-run/metrics", token)
+    assert status == 200 and metrics["skipped"] == 1 and metrics["next"] == 4
+    assert [r["scalars"]["loss"] for r in metrics["records"]] == [1.5, None, None]
+    assert _get(f"{url}/workbench/api/runs/escape/metrics", token)[0] == 404
+
+
+def test_a_diverged_loss_is_written_as_valid_json(fleet):
+    fleet.run("workbench.log(loss=float('nan'), other=float('inf'))", show_output=False)
+    path = pathlib.Path(fleet.run_dir) / "metrics.jsonl"
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "other" not in path.read_text():
+        time.sleep(0.1)
+    last = [line for line in path.read_text().splitlines() if '"other"' in line]
+    assert last and all(json.loads(line, parse_constant=_not_json)["scalars"]["loss"] is None for line in last)

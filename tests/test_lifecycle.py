@@ -75,3 +75,43 @@ def test_script_that_exits_without_stopping_leaves_nothing_behind(tmp_path):
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 5, out.stderr
     assert wait_until_gone(pids, timeout=20) == []
+
+
+def _new_fleet_processes(before: set[int]) -> list[psutil.Process]:
+    from conftest import fleet_processes
+
+    return [p for p in fleet_processes() if p.pid not in before and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE and "workbench.reaper" not in " ".join(p.cmdline())]
+
+
+def test_owner_killed_while_engines_start_leaves_nothing_behind(tmp_path):
+    """SIGKILL of the owner 3.5 s into start(): engines not registered yet are still cleaned up."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import fleet_processes
+
+    before = {p.pid for p in fleet_processes()}
+    script = tmp_path / "slow_start.py"
+    script.write_text("from workbench import Fleet\nFleet(n=2, progress=False, wandb=False).start()\n"
+                      "import time\ntime.sleep(60)\n")
+    owner = subprocess.Popen([sys.executable, str(script)])
+    time.sleep(3.5)
+    started = _new_fleet_processes(before)
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 30
+    while _new_fleet_processes(before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _new_fleet_processes(before), [p.cmdline() for p in _new_fleet_processes(before)]
+    assert started, "the kill landed while the fleet's processes were starting"
+
+
+def test_killed_controller_leaves_no_scheduler_behind():
+    fleet = Fleet(n=2, progress=False, wandb=False).start()
+    controller = psutil.Process(fleet._cluster.controller.pid)
+    schedulers = [c.pid for c in controller.children(recursive=True)]
+    controller.kill()
+    fleet.stop()
+    assert wait_until_gone(schedulers + [m.pid for m in fleet.members], timeout=15) == []

@@ -83,6 +83,21 @@ def test_fleet_start_status_and_streaming(kernel):
     assert [r["content"]["data"]["text/plain"] for r in results] == ["0"]
 
 
+def test_live_output_sends_only_a_bounded_tail_while_running(kernel):
+    """A long print loop: each live update carries a bounded tail, the end shows every line once."""
+    reply, messages = kernel.execute(
+        "%%distributed\nimport time\nfor i in range(4000):\n    print('line', i, 'x' * 60)\n"
+        "    if i % 400 == 0: time.sleep(0.3)")
+    assert reply["status"] == "ok"
+    updates = [m["content"]["data"].get("text/plain", "") for _, m in messages
+               if m["msg_type"] in ("display_data", "update_display_data")]
+    final = {u.splitlines()[0].split("]")[0]: u for u in updates if "line 3999" in u}
+    assert len(final) == 2 and all(text.count("\n") >= 4000 for text in final.values()), "every line at the end"
+    live = [u for u in updates if "line 3999" not in u]
+    assert live and max(len(u) for u in live) < 20_000, "live updates are tails, not the whole output"
+    assert sum(len(u) for u in updates) < 6 * sum(len(t) for t in final.values())
+
+
 def test_bad_cell_flags_leave_the_fleet_untouched(kernel):
     assert "unknown strategy" in _usage_error(kernel, "%%distributed --strategy zero3\n1")
     assert "unknown mixed precision" in _usage_error(kernel, "%%distributed --mixed-precision fp8\n1")

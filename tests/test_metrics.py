@@ -250,3 +250,36 @@ def test_one_offline_wandb_run_per_fleet_run_holds_the_values(tmp_path, monkeypa
         assert row["loss"] == pytest.approx(i + 0.25)
         assert row["step_time_s"] > 0 and "rank1/rss_mb" in row
     assert os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def test_metrics_jsonl_goes_on_after_a_full_disk(tmp_path):
+    """A full disk pauses metrics.jsonl, keeps what it could not write, and writes it once space is back."""
+    from test_checkpoints import _tmpfs
+
+    from workbench.metrics.collector import JsonlSink, SinkPaused
+    from workbench.metrics.store import Record
+
+    def records(start, n):
+        return [Record(time=1.0, arrived=1.0, rank=0, step=i, scalars={"loss": 1.0}, system={})
+                for i in range(start, start + n)]
+
+    with _tmpfs("64k") as disk:
+        sink = JsonlSink(os.path.join(disk, "metrics.jsonl"))
+        filler = os.path.join(disk, "filler")
+        with open(filler, "wb") as f:
+            try:
+                f.write(b"x" * 70_000)
+            except OSError:
+                pass
+        paused = 0
+        for start in range(0, 300, 50):
+            try:
+                sink.write(records(start, 50))
+            except SinkPaused:
+                paused += 1
+        assert paused, "the disk really was full"
+        os.remove(filler)  # space is back
+        sink.write(records(300, 50))
+        sink.close()
+        lines = open(os.path.join(disk, "metrics.jsonl")).read().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(350)), "every record, in order, none lost"

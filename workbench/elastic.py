@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from . import rendezvous
+from . import engine, rendezvous
 from .devices import EngineSlot, visible_gpus
 from .errors import OptionsError
 from .output import ProgressLine
@@ -67,7 +67,9 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str) -> dict:
 
     phases.run("setup", f"replaying {len(fleet.setup_cells)} setup cell(s)", replay)
     if tag == "latest" and not [e for e in fleet.checkpoints.list() if e.state == "complete"]:
-        return {"tag": None, "step": 0, "restored": []}  # nothing saved yet: start from the setup state
+        # nothing saved yet: every rank starts again from the setup state, survivors included
+        fleet.client[fleet.engine_ids()].apply_sync(engine.set_step, 0)
+        return {"tag": None, "step": 0, "restored": []}
     return phases.run("restore", "restoring (resharded)", fleet.checkpoints.restore, tag)
 
 
@@ -92,7 +94,7 @@ def recover(fleet, shrink: bool = False) -> dict:
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)
     report = _replay_and_restore(fleet, phases, "latest")
     phases.done(f"restored {', '.join(report['restored'])} from {report['tag']!r} at step {report['step']}"
-                if report["tag"] else "no checkpoint yet: the ranks start again from the setup cells")
+                if report["tag"] else "no checkpoint yet: every rank starts again from the setup cells, at step 0")
     return {"timings": phases.timings, "replaced": dead, "checkpoint": report["tag"], "step": report["step"],
             "restored": report["restored"]}
 

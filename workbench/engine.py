@@ -315,6 +315,11 @@ def memory_report() -> str:
     return text
 
 
+def set_step(step: int) -> None:
+    """Set this rank's ``workbench.step`` (all ranks agree on it after a recovery)."""
+    LOGGER.step = int(step)
+
+
 def push(values: dict) -> None:
     """Set ``values`` in this rank's namespace."""
     _namespace().update(values)

@@ -26,7 +26,8 @@ from .watchdog import HangWatch
 
 POLL_S = 0.1  # streaming refresh and timeout granularity; results wake us at once
 FAILURE_GRACE_S = 0.2  # let ranks failing with the same error report together
-OUTPUT_WAIT_S = 2.0  # a reply can arrive before the rank's last output (separate zmq streams)
+OUTPUT_WAIT_S = 2.0
+PID_CHECK_S = 0.5  # how often running ranks' processes are checked (local engines)  # a reply can arrive before the rank's last output (separate zmq streams)
 
 
 @dataclass
@@ -57,9 +58,11 @@ class DistributedCellError(WorkbenchError):
     def __init__(
         self, failures: list[RankFailure], world: int, notes: list[str], interrupted: bool = False,
         timed_out: float | None = None, dead: list[int] | None = None, hung: list[int] | None = None,
+        lost: dict[int, str] | None = None,
     ):
         self.failures = sorted(failures, key=lambda f: f.rank)
         self.dead = dead or []  # ranks whose engine died (and was replaced) during the cell
+        self.lost = lost or {}  # rank -> "rank 1 died (engine 3, pid 123, SIGKILL)": the root cause
         self.hung = hung or []  # ranks that hung (stopped, or killed and replaced)
         self.failed_at: float | None = None  # time.time() when the kernel saw the first rank fail
         self.world = world
@@ -74,6 +77,9 @@ class DistributedCellError(WorkbenchError):
             what = "interrupted"
         elif timed_out is not None and not primary:
             what = f"timed out after --timeout {timed_out:g} s"
+        if self.lost and not interrupted:  # the root cause leads, not a survivor's "Connection closed"
+            super().__init__(f"{'; '.join(self.lost.values())} of {world}; the other ranks failed because of it")
+            return
         super().__init__(f"{what} (rank {ranks} of {world})")
 
     def groups(self) -> list[tuple[list[int], RankFailure]]:
@@ -85,6 +91,8 @@ class DistributedCellError(WorkbenchError):
         return [([f.rank for f in fs], fs[0]) for fs in grouped.values()]
 
     def report(self) -> str:
+        if self.lost and not self.interrupted:
+            return self._lost_report()
         lines = []
         for ranks, failure in self.groups():
             lines.append(f"── {failure.ename} on rank {_ranks(ranks)} of {self.world} ──")
@@ -95,6 +103,21 @@ class DistributedCellError(WorkbenchError):
             lines.append(f"rank {_ranks([f.rank for f in stopped])} stopped because of {why} "
                          f"({stopped[0].ename}: {last_line(stopped[0].evalue)})")
         lines.extend(self.notes)
+        return "\n".join(lines)
+
+    def _lost_report(self) -> str:
+        """A rank died: its loss first, each peer's consequent error in one line, then what to do;
+        the peers' full tracebacks stay at the end."""
+        lines = [f"── {'; '.join(self.lost.values())} ──"]
+        followers = [f for f in self.failures if f.rank not in self.lost]
+        lines += [f"rank {f.rank}: {f.ename}: {last_line(f.evalue, 160)} (because of it)" for f in followers]
+        lines.extend(self.notes)
+        traced = [(ranks, f) for ranks, f in self.groups() if f.traceback and not set(ranks) & set(self.lost)]
+        if traced:
+            lines.append("── full tracebacks of the other ranks ──")
+            for ranks, failure in traced:
+                lines.append(f"rank {_ranks(ranks)}:")
+                lines.append(failure.traceback.rstrip())
         return "\n".join(lines)
 
     def _render_traceback_(self) -> list[str]:
@@ -163,6 +186,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     failed_at = None
     released = killed = False
     interrupted = timed_out = False
+    last_pid_check = started
 
     def refresh(force=False):
         nonlocal shown_outputs
@@ -196,6 +220,16 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                     if stopper is None:
                         stopper = _Stopper("failure", now)
                         failed_at = time.time()
+            if now - last_pid_check >= PID_CHECK_S:  # a dead engine whose nanny died too never answers
+                last_pid_check = now
+                for rank in fleet.gone_ranks(sorted(pending)):
+                    del pending[rank]
+                    reply = {"ok": False, "ename": "EngineError", "evalue": "the engine's process is gone",
+                             "traceback": ""}
+                    result.replies[rank] = reply
+                    failures.append(RankFailure(rank, reply["ename"], reply["evalue"], ""))
+                    if stopper is None:
+                        stopper, failed_at = _Stopper("failure", now), time.time()
             if timeout is not None and stopper is None and now - started > timeout:
                 timed_out = True
                 stopper = _Stopper("timeout", now)
@@ -233,8 +267,9 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
         # with a frozen rank, the others only waited for it
         failures.append(RankFailure(hang.rank, "Hung", hang.why, hang.text(), stopped=frozen and not hang.frozen))
     torn_down = sorted(r for r, reply in result.replies.items() if reply.get("group_intact") is False)
+    lost: dict[int, str] = {}
     notes, dead = _repair(fleet, bool(failures) or interrupted or timed_out or bool(torn_down),
-                          released or killed or bool(torn_down), killed)
+                          released or killed or bool(torn_down), killed, lost)
     if torn_down and not failures:
         print(f"workbench: the cell tore down the default process group on rank {_ranks(torn_down)} "
               "(destroy_process_group or its own init_process_group); it was rebuilt for the next cell — "
@@ -247,7 +282,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
         raise KeyboardInterrupt
     if failures:
         error = DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None,
-                                     dead=dead, hung=[h.rank for h in hangs])
+                                     dead=dead, hung=[h.rank for h in hangs], lost=lost)
         error.failed_at = failed_at
         raise error
     return result
@@ -303,15 +338,17 @@ def _kill(fleet, pending: dict, failures: list[RankFailure], result: CellResult,
     fleet.replace(stuck)
 
 
-def _repair(fleet, abnormal: bool, torn: bool, killed: bool) -> tuple[list[str], list[int]]:
+def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tuple[list[str], list[int]]:
     """Rebuild the process group if the cell may have left it inconsistent.
 
-    Returns notes for the user and the ranks whose engine had died (now replaced).
+    Returns notes for the user and the ranks whose engine had died (now replaced); ``lost``
+    gets a headline for each of those.
     """
     if not abnormal:
         return [], []
     dead = fleet.dead_ranks()
     causes = {r: fleet.loss_cause(r) for r in dead}
+    lost.update({r: fleet.loss_headline(r) for r in dead})
     if dead:
         fleet.replace(dead)
         torn = True

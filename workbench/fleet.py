@@ -10,6 +10,7 @@ started in the background.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import signal
@@ -42,6 +43,9 @@ DEFAULT_ENGINE_TIMEOUT_S = 120.0
 # unregistered live engines of a 2-core machine at load 18); a local engine counts as dead only
 # once its process is gone, so this bounds how long a silent engine on another host takes
 HUB_HEARTBEAT_MISSES = 40
+EXIT_GRACE_S = 5.0
+CONTROLLER_TIMEOUT_S = 5.0
+EXIT_STATUS_WAIT_S = 0.5  # how long a death report waits for the launcher to say how the engine ended  # a status query the controller does not answer in this long fails  # an engine whose launcher says it exited gets this long to show up registered
 BACKENDS = ("gloo", "nccl", "mpi")
 
 
@@ -105,6 +109,8 @@ class Fleet:
         else:
             self._slots = plan_engines(n, gpus, cpu=cpu)
             self.device_type = self._slots[0].device_type
+            if self.device_type == "cpu":
+                _check_machine_fits(len(self._slots))
         self.memory_limit = parse_size(memory_limit)
         # extra environment of the engine of a slot: e.g. WORKBENCH_HOSTNAME to simulate nodes in tests
         self.slot_environment: dict[int, dict[str, str]] = {}
@@ -140,6 +146,7 @@ class Fleet:
         self.spares: list[Member] = []  # warm engines outside the process group (rank -1)
         self._pending_spares: dict[str, EngineSlot] = {}  # engine set -> slot, not registered yet
         self._identities: dict[int, dict] = {}  # engine id -> rendezvous.identify()
+        self._dead_engines: set[int] = set()  # replaced engines (the hub may list a dead one for a while)
         self.generation = 0
         self.runtime_dir: str | None = None
         self.client = None
@@ -190,6 +197,7 @@ class Fleet:
                 self.launcher.configure(self._cluster)
                 self._cluster.start_controller_sync()
                 self._start_reaper()
+                self._record_pids()
                 sets = {self._launch(slot): slot for slot in self._slots}
                 self.client = self._cluster.connect_client_sync()
                 self._wait_for_engines(sets, progress, started)
@@ -210,19 +218,21 @@ class Fleet:
     def stop(self) -> None:
         """Stop every engine and the controller; nothing is left running."""
         client, cluster = self.client, self._cluster
+        pids = {m.pid for m in self.members + self.spares}
         processes = _process_trees([m.pid for m in self.members + self.spares if not self.attached])
         if self.attached:  # the cluster is the user's: leave its engines and controller running
             self._detach()
             client, cluster = None, None
         self.client, self._cluster, self.members, self.spares = None, None, [], []
-        self._pending_spares, self._identities = {}, {}
+        self._pending_spares, self._identities, self._dead_engines = {}, {}, set()
         if self.metrics is not None:
             self.metrics.close()  # the records stay readable in fleet.metrics.store
         if client is not None:
-            try:  # engines that exit by themselves exit cleanly (and quietly)
-                client.shutdown(targets="all", hub=False, block=True)
+            try:  # engines that exit by themselves exit cleanly (and quietly); no wait on the controller,
+                client.shutdown(targets="all", hub=False, block=False)  # which may be dead or frozen
             except Exception:
                 pass
+            psutil.wait_procs([p for p in processes if p.pid in pids], timeout=5)
             try:
                 client.close()
             except Exception:
@@ -276,6 +286,7 @@ class Fleet:
         self._set_counter += 1
         set_id = f"slot{slot.slot}-{self._set_counter}"
         self._cluster.start_engines_sync(n=1, engine_set_id=set_id, environment=env)
+        self._record_pids()  # before it registers: a kill of the kernel now must not orphan it
         return set_id
 
     def _engine_log(self, set_id: str) -> str:
@@ -293,12 +304,13 @@ class Fleet:
 
     def _unassigned(self) -> dict[int, tuple[int, dict]]:
         """Registered engines that are neither a rank nor a spare, by launch slot."""
-        taken = {m.engine_id for m in self.members + self.spares}
+        taken = {m.engine_id for m in self.members + self.spares} | self._dead_engines
         alive = set(self.client.ids)
         return {info["slot"]: (e, info) for e, info in self._identities.items() if e in alive and e not in taken}
 
     def _wait_for_engines(self, sets: dict[str, EngineSlot], progress: ProgressLine, started: float) -> None:
         deadline = time.monotonic() + self.engine_timeout
+        exited: dict[int, float] = {}  # slot -> when its launcher first said the engine exited
         while True:
             self._identify_new()
             up = set(self._unassigned())
@@ -307,6 +319,11 @@ class Fleet:
             for set_id, slot in sets.items():
                 launcher = self._cluster.engines.get(set_id)
                 if slot.slot not in up and launcher is not None and launcher.stop_data:
+                    # the launcher can report an exit while the engine's registration is still reaching
+                    # this client (seen on a loaded machine: "Completed registration" as its last line)
+                    exited.setdefault(slot.slot, time.monotonic())
+                    if time.monotonic() - exited[slot.slot] < EXIT_GRACE_S:
+                        continue
                     log = self._engine_log(set_id).strip().splitlines()
                     last = log[-1] if log else "no output"
                     raise FleetError(f"the engine for rank slot {slot.slot} exited while starting: {last}")
@@ -431,16 +448,22 @@ class Fleet:
             pass
 
     def _record_pids(self) -> None:
+        """Tell the reaper every process of this fleet, also those not registered yet (a start or
+        scale half done) and the controller's scheduler children (orphaned if it is killed)."""
         if self.attached:
             return  # not ours to kill
         pids = [m.pid for m in self.members + self.spares]
-        for set_id in self._pending_spares:  # not registered yet: the processes their launchers started
-            engine_set = self._cluster.engines.get(set_id) if self._cluster is not None else None
+        engine_sets = self._cluster.engines.values() if self._cluster is not None else ()
+        for engine_set in engine_sets:  # the processes the launchers started, registered or not
             pids += [p for p in (getattr(lc, "pid", None) for lc in getattr(engine_set, "launchers", {}).values())
                      if isinstance(p, int) and p > 0]
         controller = getattr(self._cluster, "controller", None)
         if controller is not None and getattr(controller, "pid", -1) > 0:
             pids.append(controller.pid)
+            try:
+                pids += [c.pid for c in psutil.Process(controller.pid).children(recursive=True)]
+            except psutil.Error:
+                pass
         write_pids(self.runtime_dir, pids)
 
     def _start_reaper(self) -> None:
@@ -457,9 +480,21 @@ class Fleet:
         return self.members[rank]
 
     def signal(self, ranks: list[int], sig: int) -> None:
-        """Send ``sig`` to the engines of ``ranks`` (through each engine's nanny)."""
-        if ranks:
-            self.client.send_signal(sig, targets=self.engine_ids(ranks), block=True)
+        """Send ``sig`` to the engines of ``ranks``: by pid on this host (no round trip, and it works
+        when an engine's nanny is dead), through the nanny for other hosts (bounded wait)."""
+        remote = []
+        for rank in ranks:
+            member = self.member(rank)
+            if member.host != socket.gethostname():
+                remote.append(rank)
+                continue
+            try:
+                os.kill(member.pid, sig)
+            except OSError:
+                pass  # gone already: the death is handled by the cell's repair
+        if remote:
+            future = self.client.send_signal(sig, targets=self.engine_ids(remote), block=False)
+            concurrent.futures.wait([future], timeout=CONTROLLER_TIMEOUT_S)
 
     def dead_ranks(self, settle_s: float = 2.0) -> list[int]:
         """Ranks whose engine is gone (its process ended) or unreachable (the hub unregistered it
@@ -469,21 +504,58 @@ class Fleet:
         while True:
             alive = set(self.client.ids)
             dead = [m.rank for m in self.members if m.engine_id not in alive]
-            gone = [m.rank for m in self.members if m.host == socket.gethostname() and not _alive(m.pid)]
+            gone = self.gone_ranks(list(range(self.world_size)))
             if set(gone) <= set(dead) or time.monotonic() > deadline:
                 return sorted(set(dead) | set(gone))
             time.sleep(0.05)
+
+    def gone_ranks(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` whose engine ran on this host and whose process has ended."""
+        here = socket.gethostname()
+        return [r for r in ranks if self.member(r).host == here and not _alive(self.member(r).pid)]
 
     def loss_cause(self, rank: int) -> str:
         """Why rank ``rank``'s engine is lost, in words: its process died, or it is alive but
         the controller lost contact with it (a starved machine), never "died" for a live one."""
         m = self.member(rank)
         who = f"rank {rank} (engine {m.engine_id}, pid {m.pid})"
-        if m.host == socket.gethostname() and _alive(m.pid):
+        if self._alive_here(m):
             return (f"the controller lost contact with {who}: its process is alive but missed "
                     f"{HUB_HEARTBEAT_MISSES} heartbeats (the machine may be overloaded)")
-        return (f"the engine of {who} died: its process vanished without a Python error (killed by a signal "
-                "such as SIGKILL or the OOM killer, or crashed)")
+        how = self._exit_status(m)
+        return (f"the engine of {who} died{f' ({how})' if how else ''}: its process vanished without a Python "
+                "error (killed by a signal such as SIGKILL or the OOM killer, or crashed)")
+
+    def loss_headline(self, rank: int) -> str:
+        """One line naming the lost rank: ``rank 1 died (engine 3, pid 123, SIGKILL)``."""
+        m = self.member(rank)
+        if self._alive_here(m):
+            return f"rank {rank} lost contact (engine {m.engine_id}, pid {m.pid}, process alive)"
+        how = self._exit_status(m)
+        return f"rank {rank} died (engine {m.engine_id}, pid {m.pid}{', ' + how if how else ''})"
+
+    def _alive_here(self, member: Member) -> bool:
+        return member.host == socket.gethostname() and _alive(member.pid)
+
+    def _exit_status(self, member: Member) -> str | None:
+        """How a dead engine's process ended, as its launcher saw it (``SIGKILL``, ``exit code 1``)."""
+        launcher = self._cluster.engines.get(member.engine_set) if self._cluster is not None else None
+        launchers = [launcher, *getattr(launcher, "launchers", {}).values()] if launcher is not None else []
+
+        def exit_code():
+            codes = [(getattr(lc, "stop_data", None) or {}).get("exit_code") for lc in launchers]
+            return next((c for c in codes if isinstance(c, int)), None)
+
+        deadline = time.monotonic() + EXIT_STATUS_WAIT_S  # its launcher's thread notices the exit by itself
+        while launchers and exit_code() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        code = exit_code()
+        if not isinstance(code, int):
+            return None
+        try:
+            return signal.Signals(-code).name if code < 0 else f"exit code {code}"
+        except ValueError:
+            return f"exit code {code}"
 
     def replace(self, ranks: list[int]) -> None:
         """Kill the engines of ``ranks`` and start fresh ones in their slots.
@@ -497,8 +569,11 @@ class Fleet:
             except Exception:
                 pass
         gone = {m.engine_id for m in dead}
+        self._dead_engines |= gone  # never matched to a slot again, even while the hub still lists them
         deadline = time.monotonic() + 15
         while gone & set(self.client.ids) and time.monotonic() < deadline:
+            if not [m for m in dead if m.host != socket.gethostname() or _alive(m.pid)]:
+                break  # their processes are gone: no need to wait for the hub to notice
             time.sleep(0.05)
         for member in dead:
             try:
@@ -549,6 +624,8 @@ class Fleet:
             return list(range(self.world_size))
         if isinstance(ranks, int):
             ranks = [ranks]
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise OptionsError(f"ranks are whole numbers, e.g. ranks=[0, 1] (got {list(ranks)!r})")
         ranks = sorted(set(ranks))
         bad = [r for r in ranks if not 0 <= r < self.world_size]
         if bad or not ranks:
@@ -729,7 +806,7 @@ class Fleet:
             return []
         self._adopt_spares()
         alive = set(self.client.ids)
-        queues = self.client.queue_status()
+        queues = self._queue_status()
         states = {}
         for m in self.members:
             states[m.rank] = "dead"
@@ -750,12 +827,41 @@ class Fleet:
         return rows
 
 
+    def _queue_status(self, timeout_s: float = CONTROLLER_TIMEOUT_S) -> dict:
+        """``client.queue_status()`` with a bound: ipyparallel's waits forever for a controller
+        that was killed or is frozen."""
+        client = self.client
+        future = client._send(client._query_stream, "queue_request", content={"targets": None, "verbose": False})
+        if not future.wait(timeout_s):
+            raise FleetError(f"the controller did not answer within {timeout_s:g} s (killed or frozen?); "
+                             "%fleet stop, then %fleet start")
+        content = future.result()["content"]
+        if content.pop("status") != "ok":
+            return {}
+        return {int(k): v for k, v in content.items() if k.isdigit()}
+
     def spare_status(self) -> dict:
         """Warm spare engines (ready to take a rank) and spares still starting."""
         if self.running:
             self._adopt_spares()
         return {"ready": [{"engine": m.engine_id, "pid": m.pid, "host": m.host} for m in self.spares],
                 "starting": len(self._pending_spares)}
+
+
+ENGINE_MEMORY_BYTES = 500 * 2**20  # an idle CPU engine with torch and accelerate imported (measured ~450 MiB)
+CPU_ENGINES_PER_CORE = 4  # past this, gloo collectives and heartbeats starve
+
+
+def _check_machine_fits(n: int) -> None:
+    """Refuse a local CPU fleet this machine cannot hold (memory), warn about one it cannot run well."""
+    available = psutil.virtual_memory().available
+    cores = os.cpu_count() or 1
+    if n * ENGINE_MEMORY_BYTES > available:
+        raise OptionsError(f"{n} CPU engines need about {n * ENGINE_MEMORY_BYTES / 2**30:.0f} GiB but this machine has "
+                           f"{available / 2**30:.0f} GiB available; use at most -n {max(1, available // ENGINE_MEMORY_BYTES)}")
+    if n > CPU_ENGINES_PER_CORE * cores:
+        print(f"workbench: {n} CPU engines on {cores} cores will be slow and may time out in collectives; "
+              f"consider -n {cores}", file=sys.stderr, flush=True)
 
 
 def _alive(pid: int) -> bool:

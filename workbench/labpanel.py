@@ -23,6 +23,7 @@ import re
 from tornado import web
 
 from .checkpoint import layout
+from .metrics.store import json_safe
 from .runs import RUNS_DIR_ENV
 
 MAX_RECORDS = 5000  # per metrics request
@@ -42,9 +43,18 @@ class _RunsHandler(APIHandler):
 
     def run_dir(self, run_id: str) -> str:
         path = os.path.join(self.runs_root, run_id)
-        if not re.fullmatch(RUN_ID, run_id) or not os.path.isdir(path):
+        if not re.fullmatch(RUN_ID, run_id) or not os.path.isdir(path) or not self.inside_root(path):
             raise web.HTTPError(404, f"no run {run_id!r}")
         return path
+
+    def inside_root(self, path: str) -> bool:
+        """Whether ``path``, symbolic links resolved, stays inside the runs folder."""
+        root = os.path.realpath(self.runs_root)
+        return os.path.realpath(path).startswith(root + os.sep)
+
+    def send(self, payload: dict) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(json_safe(payload), allow_nan=False))
 
 
 class RunsHandler(_RunsHandler):
@@ -54,13 +64,13 @@ class RunsHandler(_RunsHandler):
         if os.path.isdir(self.runs_root):
             for name in os.listdir(self.runs_root):
                 path = os.path.join(self.runs_root, name)
-                if re.fullmatch(RUN_ID, name) and os.path.isdir(path):
+                if re.fullmatch(RUN_ID, name) and os.path.isdir(path) and self.inside_root(path):
                     checkpoints = layout.list_checkpoints(os.path.join(path, "checkpoints"), clean=False)
                     runs.append({"id": name, "modified": os.path.getmtime(path),
                                  "checkpoints": sum(e.state == "complete" for e in checkpoints),
                                  "metrics": os.path.isfile(os.path.join(path, "metrics.jsonl"))})
         runs.sort(key=lambda r: r["modified"], reverse=True)
-        self.finish(json.dumps({"root": self.runs_root, "runs": runs}))
+        self.send({"root": self.runs_root, "runs": runs})
 
 
 class CheckpointsHandler(_RunsHandler):
@@ -74,7 +84,7 @@ class CheckpointsHandler(_RunsHandler):
                 m = entry.manifest
                 row.update(step=m.step, world_size=m.world_size, strategy=m.strategy, size=m.size, created=m.created)
             rows.append(row)
-        self.finish(json.dumps({"run": run_id, "checkpoints": rows}))
+        self.send({"run": run_id, "checkpoints": rows})
 
 
 class MetricsHandler(_RunsHandler):
@@ -85,16 +95,20 @@ class MetricsHandler(_RunsHandler):
         except ValueError:
             raise web.HTTPError(400, "since must be a line number")
         path = os.path.join(self.run_dir(run_id), "metrics.jsonl")
-        records = []
-        if os.path.isfile(path):
+        records, skipped, number = [], 0, since - 1
+        if os.path.isfile(path) and self.inside_root(path):
             with open(path) as f:
                 for number, text in enumerate(f):
                     if number < since:
                         continue
                     if len(records) >= MAX_RECORDS or not text.endswith("\n"):  # a line still being written
+                        number -= 1
                         break
-                    records.append(json.loads(text))
-        self.finish(json.dumps({"run": run_id, "records": records, "next": since + len(records)}))
+                    try:
+                        records.append(json.loads(text))  # also reads the bare NaN of older runs
+                    except ValueError:
+                        skipped += 1  # a damaged line must not hide the rest of the run
+        self.send({"run": run_id, "records": records, "skipped": skipped, "next": max(since, number + 1)})
 
 
 HANDLERS = [

@@ -12,6 +12,7 @@ import sys
 import time
 
 REFRESH_S = 0.1
+LIVE_TAIL_CHARS = 8_000  # while a cell runs, a rank's block shows its last lines (each update resends the block)
 
 
 def in_kernel() -> bool:
@@ -48,16 +49,18 @@ class RankOutput:
         self._last_refresh = now
         for rank, (out, err) in texts.items():
             if self.live_blocks:
-                self._update_block(rank, out, err)
+                self._update_block(rank, out, err, final=force)
             else:
                 self._print_new(rank, out, err, final=force)
 
-    def _update_block(self, rank: int, out: str, err: str) -> None:
+    def _update_block(self, rank: int, out: str, err: str, final: bool) -> None:
         if (out, err) == self._shown[rank] or not (out or err):
             return
         from IPython.display import display
 
         self._shown[rank] = (out, err)
+        if not final:  # an update resends the whole block: keep it small while the cell runs
+            out, err = _tail(out, rank), _tail(err, rank)
         bundle = {"text/plain": label_lines(rank, out) + label_lines(rank, err, "stderr")}
         handle = self._handles.get(rank)
         if handle is None:
@@ -75,6 +78,15 @@ class RankOutput:
                 target.write(label_lines(rank, new if new.endswith("\n") else new + "\n", stream))
                 target.flush()
                 self._printed[rank][index] = done + len(new)
+
+
+def _tail(text: str, rank: int) -> str:
+    """The last lines of ``text`` (about LIVE_TAIL_CHARS), saying how many came before."""
+    if len(text) <= LIVE_TAIL_CHARS:
+        return text
+    cut = text.find("\n", len(text) - LIVE_TAIL_CHARS) + 1
+    earlier = text.count("\n", 0, cut)
+    return f"… {earlier} earlier lines (all shown when the cell ends)\n" + text[cut:]
 
 
 class ProgressLine:

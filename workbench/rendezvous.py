@@ -186,6 +186,10 @@ def leave(peer_pids: list[int] = ()) -> None:
             dist.destroy_process_group()
         except Exception:  # a broken group may fail to close; it is gone either way
             pass
+    if dist.is_available():
+        # a failed init_process_group still counted its groups: without this the rank's next
+        # groups get other names than its fresh peers' and never match (what destroy would reset)
+        dist.distributed_c10d._world.group_count = 0
     try:
         from accelerate.state import AcceleratorState
 

@@ -34,7 +34,9 @@ def gate_checkpoint_writes(fleet, gate: str) -> None:
 
 
 def ungate_checkpoint_writes(fleet) -> None:
-    fleet.run(_UNGATE_WRITES, show_output=False)
+    """Undo :func:`gate_checkpoint_writes` on every rank that has it (a replaced rank never did)."""
+    survivors = [r for r in range(fleet.world_size) if r not in fleet.fresh_ranks]
+    fleet.client[fleet.engine_ids(survivors)].execute(_UNGATE_WRITES, block=True)
 
 
 def kill_rank_during_save(fleet, victim: int, gate: str, tag: str | None = None) -> BaseException | None:
@@ -67,3 +69,25 @@ def kill_rank_during_save(fleet, victim: int, gate: str, tag: str | None = None)
         raise RuntimeError("the save hung after a rank was killed")
     ungate_checkpoint_writes(fleet)
     return outcome.get("error")
+
+
+class BusyMachine:
+    """``n`` processes spinning on the CPU, as on a shared CI runner or a laptop compiling in the
+    background; they are killed when the block ends (``with BusyMachine(12): ...``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list = []
+
+    def __enter__(self) -> "BusyMachine":
+        import subprocess
+        import sys
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait()

@@ -116,8 +116,11 @@ def read_manifest(path: str) -> Manifest:
         with open(manifest_path) as f:
             data = json.load(f)
         manifest = Manifest(**data)
-    except (ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {name!r} is corrupt: its {MANIFEST} cannot be read ({exc})") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"checkpoint {name!r} is corrupt: its {MANIFEST} {problem}")
     if not manifest.complete:
         raise CheckpointError(f"checkpoint {name!r} is incomplete (its manifest says so)")
     for rel, size in manifest.files.items():
@@ -129,6 +132,31 @@ def read_manifest(path: str) -> Manifest:
                 f"checkpoint {name!r} is corrupt: {rel} has {os.path.getsize(full)} bytes, the manifest says {size}"
             )
     return manifest
+
+
+def _manifest_problem(m: Manifest) -> str | None:
+    """What is wrong with a manifest's fields (wrong types, no files, files outside its folder)."""
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    checks = [
+        (isinstance(m.tag, str), "has a tag that is not text"),
+        (whole(m.step) and m.step >= 0, "has a step that is not a whole number >= 0"),
+        (whole(m.world_size) and m.world_size >= 1, "has a world size that is not a whole number >= 1"),
+        (isinstance(m.strategy, str), "has a strategy that is not text"),
+        (isinstance(m.created, (int, float)) and not isinstance(m.created, bool), "has a created time that is not a number"),
+        (isinstance(m.complete, bool), "has a complete flag that is not true or false"),
+        (isinstance(m.files, dict) and m.files, "lists no files"),
+    ]
+    for ok, problem in checks:
+        if not ok:
+            return problem
+    for rel, size in m.files.items():
+        if not isinstance(rel, str) or os.path.isabs(rel) or os.path.normpath(rel).startswith(os.pardir):
+            return f"lists a file outside its folder ({rel!r})"
+        if not whole(size) or size < 0:
+            return f"gives {rel!r} a size that is not a whole number"
+    return None
 
 
 def _writers_alive(tmp: str) -> bool:

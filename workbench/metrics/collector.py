@@ -19,27 +19,51 @@ import os
 import threading
 import time
 
-from .store import MetricsStore
+from .store import MetricsStore, json_safe
 
 RECEIVE_HWM = 64  # messages queued here before the senders feel back-pressure
 
 
+class SinkPaused(Exception):
+    """A sink could not write now (a full disk) but keeps what it was given and tries again."""
+
+
 class JsonlSink:
-    """``<run>/metrics.jsonl``: one JSON object a line (time, rank, step, scalars, system)."""
+    """``<run>/metrics.jsonl``: one JSON object a line (time, rank, step, scalars, system).
+
+    A failed write (disk full) keeps the unwritten bytes, up to MAX_PENDING_BYTES, and the
+    next write tries them first, so the file goes on once space is back."""
+
+    MAX_PENDING_BYTES = 64 * 2**20
 
     def __init__(self, path: str) -> None:
         self.path = path
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._file = os.fdopen(fd, "a", buffering=1)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._pending = b""
+        self.dropped_bytes = 0
 
     def write(self, records) -> None:
-        self._file.write("".join(json.dumps(r.to_json()) + "\n" for r in records))
+        data = self._pending + "".join(json.dumps(json_safe(r.to_json()), allow_nan=False) + "\n"
+                                       for r in records).encode()
+        self._pending = b""
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as exc:
+            if len(data) > self.MAX_PENDING_BYTES:  # keep the newest whole lines
+                cut = data.find(b"\n", len(data) - self.MAX_PENDING_BYTES) + 1
+                self.dropped_bytes += cut
+                data = data[cut:]
+            self._pending = data
+            raise SinkPaused(f"metrics.jsonl: {exc.strerror or exc}; {len(data)} bytes kept, written once "
+                             "there is space again") from None
 
     def flush(self) -> None:
-        self._file.flush()
+        if self._pending:
+            self.write([])
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
 
 class MetricsCollector:
@@ -52,6 +76,7 @@ class MetricsCollector:
         self.store = MetricsStore()
         self.sinks = [JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])]
         self.errors: list[str] = []
+        self._paused_notices: list[str] = []
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -59,6 +84,8 @@ class MetricsCollector:
         self.address = f"ipc://{os.path.join(runtime_dir, 'metrics.sock')}"
         self._socket.bind(self.address)
         self._stopping = threading.Event()
+        self._wake_read, self._wake_write = os.pipe()  # flush() wakes the receiver at once, not after its poll
+        os.set_blocking(self._wake_write, False)
         self._flush_wanted = threading.Event()
         self._flushed = threading.Event()
         self._thread = threading.Thread(target=self._receive_loop, name="workbench-collector", daemon=True)
@@ -70,8 +97,12 @@ class MetricsCollector:
 
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         while not self._stopping.is_set():
-            if poller.poll(50):
+            ready = dict(poller.poll(50))
+            if self._wake_read in ready:
+                os.read(self._wake_read, 4096)
+            if self._socket in ready:
                 while True:
                     try:
                         raw = self._socket.recv(zmq.NOBLOCK)
@@ -97,6 +128,10 @@ class MetricsCollector:
         for sink in list(self.sinks):
             try:
                 getattr(sink, method)(*args)
+            except SinkPaused as exc:  # it keeps its data and tries again: say so once per kind of trouble
+                if str(exc).split(";")[0] not in {e.split(";")[0] for e in self._paused_notices}:
+                    self.errors.append(str(exc))
+                    self._paused_notices.append(str(exc))
             except Exception as exc:  # a sink must not stop the others (or the pipe)
                 self.errors.append(f"{type(sink).__name__} stopped: {type(exc).__name__}: {exc}")
                 self.sinks.remove(sink)
@@ -105,6 +140,10 @@ class MetricsCollector:
         """End of a cell: have the receiver push what it has to the sinks (bounded wait)."""
         self._flushed.clear()
         self._flush_wanted.set()
+        try:
+            os.write(self._wake_write, b"f")
+        except BlockingIOError:
+            pass  # wake-ups already pending
         return self._flushed.wait(timeout)
 
     def take_errors(self) -> list[str]:
@@ -120,5 +159,7 @@ class MetricsCollector:
             return
         self._socket.close()
         self._context.term()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         self._each_sink("close")
         self.sinks = []

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
 SYSTEM_FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "comm_s", "rss_mb", "cuda_max_mb")
+
+
+def json_safe(value):
+    """``value`` with NaN and ±inf (a diverged loss) as ``None``: standard JSON, which browsers parse
+    (Python writes them as bare ``NaN``/``Infinity``, which ``JSON.parse`` rejects)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 @dataclass
