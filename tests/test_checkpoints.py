@@ -331,3 +331,28 @@ def test_sigkill_of_a_rank_during_a_save_keeps_the_last_checkpoint(fleet, tmp_pa
     finally:
         fleet.setup_cells = []
     assert fleet.checkpoints.save(tag="after-kills") == "after-kills"
+
+
+def test_a_rank_killed_during_an_async_save_does_not_break_the_recovery(fleet, tmp_path, capfd):
+    import signal as signals
+
+    from workbench import CellOptions
+
+    fleet.execute(SETUP.format(width=32), CellOptions("fsdp"), show_output=False, setup=True)
+    fleet.run(TRAIN.format(steps=3), strategy="fsdp", show_output=False)
+    good = fleet.checkpoints.save(tag="before-async-kill")
+    gate = tmp_path / "gate"
+    gate_checkpoint_writes(fleet, str(gate))
+    try:
+        fleet.checkpoints.save(tag="async-broken", async_=True)  # staged; the writes wait at the gate
+        os.kill(fleet.member(1).pid, signals.SIGKILL)
+        time.sleep(0.5)
+        gate.touch()  # rank 0 writes, its peer is gone: its background save fails
+        result = fleet.recover()
+        assert result["checkpoint"] == good and result["replaced"] == [1]
+        assert "async-broken" not in [e.tag for e in fleet.checkpoints.list()]
+        assert len(fleet.run("rank", strategy="fsdp", show_output=False)) == 2
+    finally:
+        gate.touch()
+        fleet.setup_cells = []
+        ungate_checkpoint_writes(fleet)

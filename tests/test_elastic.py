@@ -89,7 +89,8 @@ def fleet_options(strategy):
 
 
 def test_a_live_engine_is_never_reported_dead(elastic):
-    cause = elastic.loss_cause(0)  # what a rank the hub unregistered while its process lives is told
+    headline, cause = elastic.loss(0)  # what a rank the hub unregistered while its process lives is told
+    assert headline == f"rank 0 lost contact (engine {elastic.member(0).engine_id}, pid {elastic.member(0).pid}, process alive)"
     assert "lost contact with rank 0" in cause and "process is alive" in cause and "died" not in cause
 
 
@@ -305,6 +306,20 @@ def test_a_cell_without_progress_or_with_a_late_heartbeat_is_not_judged_hung(ela
         with contextlib.suppress(ProcessLookupError):  # killed as hung: the assert above said so
             os.kill(late, signal.SIGCONT)
         fleet.hang_timeout = 300.0
+
+
+def test_training_that_pauses_between_steps_is_not_judged_hung(elastic):
+    """Progress, then 2.2 s without (data loading, an eval): not a hang under --hang-timeout 1."""
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+    pids = [m.pid for m in fleet.members]
+    fleet.hang_timeout = 1.0
+    try:
+        fleet.run("import time\nfor _ in range(2):\n" + TRAIN.replace("\n", "\n    ") + "\n    time.sleep(2.2)",
+                  strategy="fsdp", show_output=False)
+    finally:
+        fleet.hang_timeout = 300.0
+    assert [m.pid for m in fleet.members] == pids
 
 
 def _ready_spare(fleet, timeout=60.0) -> int:

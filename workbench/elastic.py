@@ -9,9 +9,11 @@ resharded. Re-running the training cell then goes on from ``workbench.step``.
 
 from __future__ import annotations
 
+import sys
 import time
 
 from . import engine, rendezvous
+from .checkpoint.api import abandon as abandon_saves
 from .devices import EngineSlot, visible_gpus
 from .errors import OptionsError
 from .output import ProgressLine
@@ -90,6 +92,9 @@ def recover(fleet, shrink: bool = False) -> dict:
         dead = lost
     elif dead:
         phases.run("engines", f"replacing rank {','.join(map(str, dead))}", fleet.replace, dead)
+    broken = fleet.client[fleet.engine_ids()].apply_sync(abandon_saves)
+    for notice in sorted({n for errors in broken for n in errors}):
+        print(f"workbench: {notice} (not used: it was never committed)", file=sys.stderr, flush=True)
     phases.run("teardown", "process group teardown", fleet.client[fleet.engine_ids()].apply_sync, rendezvous.leave)
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)
     report = _replay_and_restore(fleet, phases, "latest")

@@ -26,8 +26,8 @@ from .watchdog import HangWatch
 
 POLL_S = 0.1  # streaming refresh and timeout granularity; results wake us at once
 FAILURE_GRACE_S = 0.2  # let ranks failing with the same error report together
-OUTPUT_WAIT_S = 2.0
-PID_CHECK_S = 0.5  # how often running ranks' processes are checked (local engines)  # a reply can arrive before the rank's last output (separate zmq streams)
+OUTPUT_WAIT_S = 2.0  # a reply can arrive before the rank's last output (separate zmq streams)
+PID_CHECK_S = 0.5  # how often running ranks' processes are checked (local engines)
 
 
 @dataclass
@@ -347,8 +347,9 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tupl
     if not abnormal:
         return [], []
     dead = fleet.dead_ranks()
-    causes = {r: fleet.loss_cause(r) for r in dead}
-    lost.update({r: fleet.loss_headline(r) for r in dead})
+    losses = {r: fleet.loss(r) for r in dead}  # (headline, explanation), before the engines are replaced
+    causes = {r: explanation for r, (_, explanation) in losses.items()}
+    lost.update({r: headline for r, (headline, _) in losses.items()})
     if dead:
         fleet.replace(dead)
         torn = True

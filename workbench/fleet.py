@@ -499,7 +499,7 @@ class Fleet:
     def dead_ranks(self, settle_s: float = 2.0) -> list[int]:
         """Ranks whose engine is gone (its process ended) or unreachable (the hub unregistered it
         after HUB_HEARTBEAT_MISSES missed heartbeats), after letting the hub notice a death.
-        :meth:`loss_cause` says which."""
+        :meth:`loss` says which."""
         deadline = time.monotonic() + settle_s
         while True:
             alive = set(self.client.ids)
@@ -514,25 +514,20 @@ class Fleet:
         here = socket.gethostname()
         return [r for r in ranks if self.member(r).host == here and not _alive(self.member(r).pid)]
 
-    def loss_cause(self, rank: int) -> str:
-        """Why rank ``rank``'s engine is lost, in words: its process died, or it is alive but
-        the controller lost contact with it (a starved machine), never "died" for a live one."""
+    def loss(self, rank: int) -> tuple[str, str]:
+        """Why rank ``rank``'s engine is lost: a headline (``rank 1 died (engine 3, pid 123, SIGKILL)``)
+        and an explanation. A live process the controller lost contact with (a starved machine)
+        is never called dead."""
         m = self.member(rank)
-        who = f"rank {rank} (engine {m.engine_id}, pid {m.pid})"
+        who = f"engine {m.engine_id}, pid {m.pid}"
         if self._alive_here(m):
-            return (f"the controller lost contact with {who}: its process is alive but missed "
+            return (f"rank {rank} lost contact ({who}, process alive)",
+                    f"the controller lost contact with rank {rank} ({who}): its process is alive but missed "
                     f"{HUB_HEARTBEAT_MISSES} heartbeats (the machine may be overloaded)")
         how = self._exit_status(m)
-        return (f"the engine of {who} died{f' ({how})' if how else ''}: its process vanished without a Python "
-                "error (killed by a signal such as SIGKILL or the OOM killer, or crashed)")
-
-    def loss_headline(self, rank: int) -> str:
-        """One line naming the lost rank: ``rank 1 died (engine 3, pid 123, SIGKILL)``."""
-        m = self.member(rank)
-        if self._alive_here(m):
-            return f"rank {rank} lost contact (engine {m.engine_id}, pid {m.pid}, process alive)"
-        how = self._exit_status(m)
-        return f"rank {rank} died (engine {m.engine_id}, pid {m.pid}{', ' + how if how else ''})"
+        return (f"rank {rank} died ({who}{', ' + how if how else ''})",
+                f"the engine of rank {rank} ({who}) died{f' ({how})' if how else ''}: its process vanished without "
+                "a Python error (killed by a signal such as SIGKILL or the OOM killer, or crashed)")
 
     def _alive_here(self, member: Member) -> bool:
         return member.host == socket.gethostname() and _alive(member.pid)
@@ -703,7 +698,7 @@ class Fleet:
                   f"{','.join(map(str, dead))} died; recovering from the latest checkpoint", file=sys.stderr, flush=True)
             self.recover()
             return
-        causes = "; ".join(self.loss_cause(r) for r in dead)
+        causes = "; ".join(self.loss(r)[1] for r in dead)
         raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, restores the "
                          "latest checkpoint on every rank)")
 

@@ -8,8 +8,10 @@ metrics thread, :mod:`workbench.metrics.logger`) shows it in one of two ways:
   does not mistake a late beat for a frozen rank): the process is frozen
   (stopped, swapped out, or in native code that holds the GIL);
 - the cell made progress (a forward, an optimizer step, a collective launched,
-  ``workbench.log``) and then none for ``hang_timeout`` seconds: stuck in a
-  collective or a deadlock. The heartbeat then carries the rank's stack.
+  ``workbench.log``) and then none for ``hang_timeout`` seconds (and at least
+  ``FROZEN_AFTER_MIN_S``: progress is only seen through heartbeats, so a pause of
+  a second or two between steps is not a hang): stuck in a collective or a
+  deadlock. The heartbeat then carries the rank's stack.
 
 A cell that never showed progress (loading data, a plain ``time.sleep``) is
 not judged by the second sign; ``--timeout`` covers it. The cell runner
@@ -64,8 +66,8 @@ class HangWatch:
             if silent > max(self.timeout, FROZEN_AFTER_MIN_S):
                 hangs.append(Hang(rank, f"no heartbeat for {silent:.0f} s (the process is frozen: stopped, or in "
                                         "native code that holds the GIL)", frozen=True))
-            elif (stream is not None and stream.cell > self.before[rank]
-                  and stream.stalled_s is not None and stream.stalled_s + silent > self.timeout):
+            elif (stream is not None and stream.cell > self.before[rank] and stream.stalled_s is not None
+                  and stream.stalled_s + silent > max(self.timeout, FROZEN_AFTER_MIN_S)):
                 hangs.append(Hang(rank, f"no progress for {stream.stalled_s + silent:.0f} s (no forward, optimizer "
                                         "step, collective or workbench.log): stuck in a collective or a "
                                         "deadlock", stream.stack))

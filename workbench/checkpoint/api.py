@@ -78,6 +78,16 @@ def take_errors() -> list[str]:
     return errors
 
 
+def abandon(timeout_s: float = 10.0) -> list[str]:
+    """Before the process group is rebuilt (recover, scale): wait (bounded) for this rank's
+    background save to end and hand over its errors, so that a save a dead peer broke does not
+    fail the restore that follows. The broken save was never committed, so nothing uses it."""
+    future = SAVES.pending
+    if future is not None:
+        concurrent.futures.wait([future], timeout=timeout_s)
+    return take_errors()
+
+
 def _reap() -> None:
     future = SAVES.pending
     if future is not None and future.done():
