@@ -103,6 +103,9 @@ def test_list_shows_complete_checkpoints_with_their_manifest(fleet):
     table = fleet.checkpoints.table()
     assert table.splitlines()[0].split() == ["tag", "step", "world", "size", "strategy", "size", "time", "state"]
     assert any(line.startswith("listed ") for line in table.splitlines())
+    modes = {name: oct(os.stat(os.path.join(entry.path, name)).st_mode & 0o777) for name in os.listdir(entry.path)}
+    assert set(modes.values()) == {"0o600"}, modes  # shards and manifest: owner only
+    assert oct(os.stat(fleet.metrics.jsonl_path).st_mode & 0o777) == "0o600"
     with pytest.raises(CheckpointError, match="already exists"):
         fleet.checkpoints.save(tag="listed")
 

@@ -88,6 +88,7 @@ def commit(tmp: str, final: str, manifest: Manifest) -> None:
     if os.path.exists(final):
         raise CheckpointError(f"checkpoint {manifest.tag!r} already exists; pick another --tag or rm it first")
     for name in _files(tmp):
+        os.chmod(os.path.join(tmp, name), 0o600)  # torch writes the shards with the process umask
         with open(os.path.join(tmp, name), "rb") as f:
             os.fsync(f.fileno())
     manifest.files = _files(tmp)
