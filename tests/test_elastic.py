@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -36,6 +37,16 @@ def _equal(a, b):
     assert all((a[0][k] == b[0][k]).all() for k in a[0])
     assert all((x == y).all() for x, y in zip(a[1], b[1], strict=True))
     assert a[2] == b[2]
+
+
+@contextlib.contextmanager
+def hang_timeout(fleet, seconds: float):
+    """Run with ``fleet.hang_timeout = seconds``; back to the default afterwards."""
+    fleet.hang_timeout = seconds
+    try:
+        yield
+    finally:
+        fleet.hang_timeout = 300.0
 
 
 @pytest.fixture(scope="module")
@@ -235,11 +246,12 @@ def test_a_frozen_rank_is_caught_by_its_heartbeat_and_auto_recovered(elastic):
     fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
     target = fleet.run("workbench.step", strategy="fsdp", show_output=False)[0] + 80
     frozen = fleet.member(1).pid
-    fleet.auto_recover, fleet.max_restarts, fleet.restarts, fleet.hang_timeout = True, 1, 0, 3.0
+    fleet.auto_recover, fleet.max_restarts, fleet.restarts = True, 1, 0
     try:
-        outcome = _signal_during_training(fleet, target, frozen, signal.SIGSTOP)
+        with hang_timeout(fleet, 3.0):
+            outcome = _signal_during_training(fleet, target, frozen, signal.SIGSTOP)
     finally:
-        fleet.auto_recover, fleet.hang_timeout = False, 300.0
+        fleet.auto_recover = False
     assert fleet.restarts == 1 and "loss" in outcome
     assert fleet.run("workbench.step", strategy="fsdp", show_output=False) == [target, target]
     assert not wait_until_gone([frozen], timeout=10), "the frozen engine was killed"
@@ -265,12 +277,8 @@ def test_a_deadlocked_rank_is_reported_with_its_stack_and_the_fleet_stays_usable
     fleet = elastic
     fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
     pids = [m.pid for m in fleet.members]
-    fleet.hang_timeout = 3.0
-    try:
-        with pytest.raises(DistributedCellError) as caught:
-            fleet.run(DEADLOCK, strategy="fsdp", show_output=False)
-    finally:
-        fleet.hang_timeout = 300.0
+    with hang_timeout(fleet, 3.0), pytest.raises(DistributedCellError) as caught:
+        fleet.run(DEADLOCK, strategy="fsdp", show_output=False)
     error = caught.value
     report = error.report()
     assert 1 in error.hung and "rank 1 hung: no progress" in report, report
@@ -282,7 +290,6 @@ def test_a_deadlocked_rank_is_reported_with_its_stack_and_the_fleet_stays_usable
 def test_a_cell_without_progress_or_with_a_late_heartbeat_is_not_judged_hung(elastic):
     """A plain sleep shows no progress; and rank 1, paused for 1.6 s as a busy machine
     would delay it, misses a beat. Neither is a hang, even with a 1 s hang timeout."""
-    import contextlib
     import os
     import signal
     import threading
@@ -296,16 +303,15 @@ def test_a_cell_without_progress_or_with_a_late_heartbeat_is_not_judged_hung(ela
         time.sleep(1.6)
         os.kill(late, signal.SIGCONT)
 
-    fleet.hang_timeout = 1.0
     pauser = threading.Timer(0.8, pause_rank_1)
     try:
-        pauser.start()
-        assert fleet.run("import time; time.sleep(4); rank", show_output=False) == [0, 1]
+        with hang_timeout(fleet, 1.0):
+            pauser.start()
+            assert fleet.run("import time; time.sleep(4); rank", show_output=False) == [0, 1]
     finally:
         pauser.join()
         with contextlib.suppress(ProcessLookupError):  # killed as hung: the assert above said so
             os.kill(late, signal.SIGCONT)
-        fleet.hang_timeout = 300.0
 
 
 def test_training_that_pauses_between_steps_is_not_judged_hung(elastic):
@@ -313,12 +319,9 @@ def test_training_that_pauses_between_steps_is_not_judged_hung(elastic):
     fleet = elastic
     fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
     pids = [m.pid for m in fleet.members]
-    fleet.hang_timeout = 1.0
-    try:
+    with hang_timeout(fleet, 1.0):
         fleet.run("import time\nfor _ in range(2):\n" + TRAIN.replace("\n", "\n    ") + "\n    time.sleep(2.2)",
                   strategy="fsdp", show_output=False)
-    finally:
-        fleet.hang_timeout = 300.0
     assert [m.pid for m in fleet.members] == pids
 
 

@@ -567,7 +567,7 @@ class Fleet:
         self._dead_engines |= gone  # never matched to a slot again, even while the hub still lists them
         deadline = time.monotonic() + 15
         while gone & set(self.client.ids) and time.monotonic() < deadline:
-            if not [m for m in dead if m.host != socket.gethostname() or _alive(m.pid)]:
+            if set(self.gone_ranks(ranks)) == set(ranks):
                 break  # their processes are gone: no need to wait for the hub to notice
             time.sleep(0.05)
         for member in dead:
