@@ -99,6 +99,33 @@ def fleet_options(strategy):
     return CellOptions(strategy=strategy)
 
 
+def test_recover_right_after_a_kill_replaces_an_engine_still_exiting(elastic):
+    """The notebook's order: SIGKILL, then %fleet recover at once. If the engine had not yet exited
+    when recover looked, the teardown finds it dead, and recover replaces it then."""
+    import os
+    import signal
+
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+    fleet.checkpoints.save(tag="before-late-kill")
+    victim = fleet.member(1).pid
+    os.kill(victim, signal.SIGKILL)
+    assert not wait_until_gone([victim])
+    real, calls = fleet.dead_ranks, []
+
+    def not_yet(settle_s=2.0):  # the first look came before the exit (a race on a busy machine)
+        calls.append(settle_s)
+        return [] if len(calls) == 1 else real(settle_s)
+
+    fleet.dead_ranks = not_yet
+    try:
+        result = fleet.recover()
+    finally:
+        del fleet.dead_ranks
+    assert len(calls) >= 2 and result["replaced"] == [1] and result["checkpoint"] == "before-late-kill"
+    assert fleet.run("world_size", strategy="fsdp", show_output=False) == [2, 2]
+
+
 def test_a_live_engine_is_never_reported_dead(elastic):
     headline, cause = elastic.loss(0)  # what a rank the hub unregistered while its process lives is told
     assert headline == f"rank 0 lost contact (engine {elastic.member(0).engine_id}, pid {elastic.member(0).pid}, process alive)"

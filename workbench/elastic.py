@@ -75,6 +75,14 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str) -> dict:
     return phases.run("restore", "restoring (resharded)", fleet.checkpoints.restore, tag)
 
 
+def _teardown(fleet) -> None:
+    """Every rank leaves the process group; background saves the old group broke are set aside."""
+    broken = fleet.client[fleet.engine_ids()].apply_sync(abandon_saves)
+    for notice in sorted({n for errors in broken for n in errors}):
+        print(f"workbench: {notice} (not used: it was never committed)", file=sys.stderr, flush=True)
+    fleet.client[fleet.engine_ids()].apply_sync(rendezvous.leave)
+
+
 def recover(fleet, shrink: bool = False) -> dict:
     """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
     the process group, replay the setup cells on every rank and restore the latest
@@ -92,10 +100,16 @@ def recover(fleet, shrink: bool = False) -> dict:
         dead = lost
     elif dead:
         phases.run("engines", f"replacing rank {','.join(map(str, dead))}", fleet.replace, dead)
-    broken = fleet.client[fleet.engine_ids()].apply_sync(abandon_saves)
-    for notice in sorted({n for errors in broken for n in errors}):
-        print(f"workbench: {notice} (not used: it was never committed)", file=sys.stderr, flush=True)
-    phases.run("teardown", "process group teardown", fleet.client[fleet.engine_ids()].apply_sync, rendezvous.leave)
+    try:
+        phases.run("teardown", "process group teardown", _teardown, fleet)
+    except Exception:
+        # an engine killed a moment before recover looked (still exiting then) fails the teardown
+        late = [] if shrink else fleet.dead_ranks(settle_s=2.0)
+        if not late:
+            raise
+        phases.run("engines", f"replacing rank {','.join(map(str, late))}", fleet.replace, late)
+        dead = sorted(set(dead) | set(late))
+        phases.run("teardown", "process group teardown", _teardown, fleet)
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)
     report = _replay_and_restore(fleet, phases, "latest")
     phases.done(f"restored {', '.join(report['restored'])} from {report['tag']!r} at step {report['step']}"
