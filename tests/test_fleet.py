@@ -186,6 +186,24 @@ def test_timeout_stops_the_cell(fleet):
     assert fleet.run("rank") == [0, 1]
 
 
+def test_a_mismatched_collective_is_named_within_seconds_not_after_the_pg_timeout(fleet):
+    """Rank 0 all_reduces, rank 1 has finished the cell: nobody will ever join rank 0."""
+    fleet.run("survivor = 'kept'", show_output=False)
+    pids = [m.pid for m in fleet.members]
+    started = time.monotonic()
+    with pytest.raises(DistributedCellError) as info:
+        fleet.run("import torch\nif rank == 0:\n    torch.distributed.all_reduce(torch.ones(3))",
+                  show_output=False)
+    assert time.monotonic() - started < 20  # the group's timeout is 300 s
+    assert str(info.value).startswith("MismatchedCollective: waited ")
+    assert "in torch.distributed.all_reduce while rank 1 had already finished the cell" in str(info.value)
+    assert "(rank 0 of 2)" in str(info.value)
+    assert "in all_reduce" in info.value.report()  # rank 0's stack, where it waited
+    assert [m.pid for m in fleet.members] == pids  # released, not killed
+    assert fleet.run("survivor", show_output=False) == ["kept", "kept"]
+    assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
+
+
 def test_ranks_stuck_in_cpp_are_killed_and_replaced(fleet):
     """Both ranks wait for each other in recv: SIGINT cannot reach them, so they are replaced."""
     fleet.run("marker = 'old namespace'")

@@ -7,7 +7,9 @@ running ranks get SIGINT, and a rank that still does not stop is killed and
 replaced. An interrupt (Ctrl-C, Jupyter's stop button) or ``--timeout`` walks
 the same ladder starting with SIGINT; so does a hung rank (no heartbeat, or no
 progress, for the fleet's ``hang_timeout``: :mod:`workbench.watchdog`), which
-is killed and replaced if SIGINT does not stop it. Afterwards the process group is checked
+is killed and replaced if SIGINT does not stop it. Ranks left waiting in a
+collective after a peer finished the cell are stopped within seconds the same way
+(a mismatched collective, also :mod:`workbench.watchdog`). Afterwards the process group is checked
 and rebuilt if it may be inconsistent, so the next cell works.
 """
 
@@ -234,8 +236,11 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                 timed_out = True
                 stopper = _Stopper("timeout", now)
             if stopper is None and pending:
-                hangs = hang_watch.check(pending)
-                if hangs:
+                finished = sorted(r for r, reply in result.replies.items() if reply["ok"])
+                if hangs := hang_watch.mismatched(pending, finished):
+                    stopper = _Stopper("failure", now)  # releasing the finished ranks ends the collective
+                    failed_at = time.time()
+                elif hangs := hang_watch.check(pending):
                     stopper = _Stopper("hang", now)
                     failed_at = time.time()
             refresh()
@@ -265,7 +270,8 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     for hang in hangs:  # the hang is the rank's error, whatever stopping it raised there
         failures = [f for f in failures if f.rank != hang.rank]
         # with a frozen rank, the others only waited for it
-        failures.append(RankFailure(hang.rank, "Hung", hang.why, hang.text(), stopped=frozen and not hang.frozen))
+        failures.append(RankFailure(hang.rank, hang.ename, hang.why, hang.text(),
+                                    stopped=frozen and not hang.frozen))
     torn_down = sorted(r for r, reply in result.replies.items() if reply.get("group_intact") is False)
     lost: dict[int, str] = {}
     notes, dead = _repair(fleet, bool(failures) or interrupted or timed_out or bool(torn_down),

@@ -14,7 +14,14 @@ metrics thread, :mod:`workbench.metrics.logger`) shows it in one of two ways:
   deadlock. The heartbeat then carries the rank's stack.
 
 A cell that never showed progress (loading data, a plain ``time.sleep``) is
-not judged by the second sign; ``--timeout`` covers it. The cell runner
+not judged by the second sign; ``--timeout`` covers it.
+
+A third sign needs no timeout: a mismatched collective. Once one rank has
+finished the cell, a collective over the whole group can no longer complete; if
+every rank still running has been inside a torch.distributed call for
+``MISMATCH_AFTER_S``, the cell is stopped at once instead of waiting out
+``--pg-timeout``. (Ranks waiting together in a collective of a sub-group that
+leaves out the finished rank, for that long, would be judged the same way.) The cell runner
 (:mod:`workbench.execution`) stops a hung cell like a failed one, and kills and
 replaces a hung rank that does not stop.
 """
@@ -28,6 +35,7 @@ from .metrics.logger import BEAT_EVERY_S
 
 DEFAULT_HANG_TIMEOUT_S = 300.0
 FROZEN_AFTER_MIN_S = 3 * BEAT_EVERY_S  # a busy 2-core machine delays a beat by a second or more
+MISMATCH_AFTER_S = 5.0
 
 
 @dataclass
@@ -36,10 +44,12 @@ class Hang:
     why: str
     stack: str | None = None
     frozen: bool = False  # no heartbeat at all (rather than no progress)
+    ename: str = "Hung"  # or "MismatchedCollective"
 
     def text(self) -> str:
         where = f"\nwhere its main thread was:\n{self.stack.rstrip()}" if self.stack else ""
-        return f"rank {self.rank} hung: {self.why}{where}"
+        what = "hung" if self.ename == "Hung" else "waits in a collective no peer will join"
+        return f"rank {self.rank} {what}: {self.why}{where}"
 
 
 class HangWatch:
@@ -53,15 +63,38 @@ class HangWatch:
         self.before = {r: self.store.cells_done.get(pid, -1) for r, pid in self.pids.items()}
         self.started = time.time()
 
+    def _stream(self, rank: int):
+        """The rank's stream if it comes from the engine running this cell."""
+        stream = self.store.streams.get(rank)
+        return stream if stream is not None and stream.pid == self.pids[rank] else None
+
+    def mismatched(self, pending, finished: list[int]) -> list[Hang]:
+        """Ranks all waiting in a collective after some peer finished the cell."""
+        if not finished or not pending:
+            return []
+        now = time.time()
+        waits = {}
+        for rank in sorted(pending):
+            stream = self._stream(rank)
+            if stream is None or stream.cell <= self.before[rank] or not stream.waiting_in:
+                return []
+            waited = (stream.waiting_s or 0.0) + now - stream.beat_at
+            if waited < MISMATCH_AFTER_S:
+                return []
+            waits[rank] = (stream, waited)
+        done = ",".join(map(str, finished))
+        return [Hang(rank, f"waited {waited:.0f} s in torch.distributed.{stream.waiting_in} while rank {done} had "
+                           "already finished the cell (every rank of the group must make the same collective "
+                           "calls in the same order)", stream.stack, ename="MismatchedCollective")
+                for rank, (stream, waited) in waits.items()]
+
     def check(self, pending) -> list[Hang]:
         if not self.timeout:
             return []
         now = time.time()
         hangs = []
         for rank in sorted(pending):
-            stream = self.store.streams.get(rank)
-            if stream is not None and stream.pid != self.pids[rank]:
-                stream = None  # an older engine's stream for this rank
+            stream = self._stream(rank)
             silent = now - max(stream.beat_at if stream else 0.0, self.started)
             if silent > max(self.timeout, FROZEN_AFTER_MIN_S):
                 hangs.append(Hang(rank, f"no heartbeat for {silent:.0f} s (the process is frozen: stopped, or in "

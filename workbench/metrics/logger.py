@@ -203,28 +203,56 @@ class _Pulse:
     """The heartbeat's content. ``stalled_s``: while user code runs and has made
     progress in this cell, the seconds since the activity counter last moved (else
     None); with it, once it reaches ``STACK_AFTER_S``, the main thread's stack.
-    ``busy``: a cell's user code is running."""
+    ``busy``: a cell's user code is running. ``waiting_in``: the torch.distributed
+    call the main thread is inside (``all_reduce``, ``barrier``, ...), with
+    ``waiting_s`` the seconds it has been there, and its stack."""
 
     def __init__(self) -> None:
         self.activity = -1
         self.changed_at = 0.0
+        self.waiting: tuple[int, float] | None = None  # (id of the torch.distributed frame, first seen)
 
     def beat(self, activity: int, at_cell_start: int, in_user_code: bool, now: float) -> dict:
         if activity != self.activity:
             self.activity, self.changed_at = activity, now
         stalled = now - self.changed_at if in_user_code and activity != at_cell_start else None
-        stack = _main_thread_stack() if stalled is not None and stalled >= STACK_AFTER_S else None
-        return {"stalled_s": stalled, "stack": stack, "busy": in_user_code}
+        frame = _main_thread_frame() if in_user_code else None
+        call = _distributed_call(frame)
+        if call is None:
+            self.waiting = None
+        elif self.waiting is None or self.waiting[0] != id(call):
+            self.waiting = (id(call), now)
+        waiting_s = now - self.waiting[1] if self.waiting else None
+        wants_stack = (stalled is not None and stalled >= STACK_AFTER_S) or (waiting_s or 0.0) >= STACK_AFTER_S
+        stack = _stack(frame) if wants_stack else None
+        return {"stalled_s": stalled, "stack": stack, "busy": in_user_code,
+                "waiting_in": call.f_code.co_name if call else None, "waiting_s": waiting_s}
 
 
-def _main_thread_stack(limit: int = 8) -> str | None:
+def _main_thread_frame():
     import sys
+
+    return sys._current_frames().get(threading.main_thread().ident)
+
+
+def _distributed_call(frame):
+    """The outermost frame of torch.distributed's c10d module on ``frame``'s stack (the
+    collective user code called), or None."""
+    found = None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.endswith("distributed_c10d.py"):
+            found = frame
+        elif found is not None and not filename.endswith("c10d_logger.py"):  # its decorator's wrapper
+            return found
+        frame = frame.f_back
+    return found
+
+
+def _stack(frame, limit: int = 8) -> str | None:
     import traceback
 
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    if frame is None:
-        return None
-    return "".join(traceback.format_stack(frame, limit=limit))
+    return "".join(traceback.format_stack(frame, limit=limit)) if frame is not None else None
 
 
 def _checked(scalars: dict) -> dict:

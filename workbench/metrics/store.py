@@ -49,7 +49,9 @@ class RankStream:
     beat_at: float = 0.0  # arrival of the last message (heartbeats included), seconds since the epoch
     cell: int = 0  # from the heartbeat: the rank's cell counter when it was sent
     stalled_s: float | None = None  # from the heartbeat: seconds the rank's cell has made no progress
-    stack: str | None = None  # the rank's main thread, sent while it is stalled
+    stack: str | None = None  # the rank's main thread, sent while it is stalled or waits in a collective
+    waiting_in: str | None = None  # from the heartbeat: the torch.distributed call the rank is inside
+    waiting_s: float | None = None  # ... and for how long it had been there when the beat left
     busy: bool = False  # from the heartbeat: the rank is running a cell's code
     memory: dict = field(default_factory=dict)  # from the last message: rss_mb (and cuda_max_mb on GPU)
 
@@ -87,6 +89,7 @@ class MetricsStore:
             if beat is not None:
                 stream.beat_at, stream.stalled_s, stream.stack = arrived, beat["stalled_s"], beat["stack"]
                 stream.cell, stream.busy = beat["cell"], bool(beat.get("busy"))
+                stream.waiting_in, stream.waiting_s = beat.get("waiting_in"), beat.get("waiting_s")
             self.records.extend(new)
             self.changed.notify_all()
         return new
