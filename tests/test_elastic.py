@@ -126,6 +126,57 @@ def test_recover_right_after_a_kill_replaces_an_engine_still_exiting(elastic):
     assert fleet.run("world_size", strategy="fsdp", show_output=False) == [2, 2]
 
 
+def test_scale_after_a_death_says_recover_in_one_line(elastic):
+    import os
+    import signal
+
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("ddp"), show_output=False, setup=True)
+    victim = fleet.member(1).pid
+    os.kill(victim, signal.SIGKILL)
+    assert not wait_until_gone([victim])
+    with pytest.raises(FleetError, match=r"^the engine of rank 1 .* died.*Run %fleet recover"):
+        fleet.scale(3)
+    assert fleet.world_size == 2
+    fleet.recover()
+    assert fleet.run("world_size", show_output=False) == [2, 2]
+
+
+def test_an_engine_killed_during_scale_is_replaced_and_the_scale_completes(elastic, capfd):
+    """Rank 1 dies after the rescale checkpoint, before the new group is built (the probe saw
+    'IndexError: No such engine', then every recover() waited out the group timeout)."""
+    import os
+    import signal
+    import time
+
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+    fleet.run(TRAIN, strategy="fsdp", show_output=False)
+    before = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
+    victim = fleet.member(1).pid
+    add_engines = fleet._add_engines
+
+    killed = []
+
+    def kill_then_add(slots):
+        if not killed:  # the scale's own new engine, not the replacement
+            killed.append(os.kill(victim, signal.SIGKILL))
+        add_engines(slots)
+
+    fleet._add_engines = kill_then_add
+    started = time.monotonic()
+    try:
+        fleet.scale(3)
+    finally:
+        del fleet._add_engines
+    assert time.monotonic() - started < 60
+    assert f"rank 1 died (engine" in capfd.readouterr().err
+    assert victim not in {m.pid for m in fleet.members} and fleet.world_size == 3 and not fleet.fresh_ranks
+    for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
+        _equal(before, got)
+    fleet.scale(2)
+
+
 def test_a_live_engine_is_never_reported_dead(elastic):
     headline, cause = elastic.loss(0)  # what a rank the hub unregistered while its process lives is told
     assert headline == f"rank 0 lost contact (engine {elastic.member(0).engine_id}, pid {elastic.member(0).pid}, process alive)"
@@ -165,7 +216,7 @@ def test_a_killed_engine_is_recovered_from_the_last_checkpoint(elastic):
     assert time.monotonic() - killed_at < 30
     report = outcome["error"].report()
     headline = str(outcome["error"])  # the root cause leads, not rank 0's "Connection closed by peer"
-    assert re.match(rf"rank 1 died \(engine \d+, pid {victim}(, SIGKILL)?\) of 2", headline), headline
+    assert re.match(rf"rank 1 died \(engine \d+, pid {victim}, SIGKILL\) of 2", headline), headline
     assert report.splitlines()[0].startswith("── rank 1 died"), report
     assert re.search(r"^rank 0: \w+: .* \(because of it\)$", report, re.M), report
     assert "── full tracebacks of the other ranks ──" in report  # kept, after the summary

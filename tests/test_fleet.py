@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from conftest import fleet_processes
 
 from workbench import DistributedCellError, Fleet, FleetError, OptionsError
 
@@ -224,6 +225,15 @@ def test_bad_options_are_refused_before_anything_runs(fleet):
         fleet.run("1", mixed_precision="fp16")
     with pytest.raises(OptionsError, match="grad-accum"):
         fleet.run("1", grad_accum=0)
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_line_and_starts_nothing(tmp_path):
+    before = {p.pid for p in fleet_processes()}
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(FleetError, match=r"^cannot create the run folder under .*a-file/runs: Not a directory; "):
+        Fleet(n=1, progress=False, runs_dir=str(blocker / "runs")).start()
+    assert {p.pid for p in fleet_processes()} <= before
 
 
 def test_start_twice_and_use_after_stop_are_refused():

@@ -250,6 +250,10 @@ def test_one_offline_wandb_run_per_fleet_run_holds_the_values(tmp_path, monkeypa
         assert row["loss"] == pytest.approx(i + 0.25)
         assert row["step_time_s"] > 0 and "rank1/rss_mb" in row
     assert os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+    modes = {oct(os.stat(os.path.join(folder, name)).st_mode & 0o777)
+             for folder, _, names in os.walk(os.path.join(run_dir, "wandb")) for name in names
+             if not os.path.islink(os.path.join(folder, name))}
+    assert modes == {"0o600"}, modes  # wandb's files are owner-only, like the rest of the run
 
 
 def test_metrics_jsonl_goes_on_after_a_full_disk(tmp_path):

@@ -71,8 +71,11 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str) -> dict:
     if tag == "latest" and not [e for e in fleet.checkpoints.list() if e.state == "complete"]:
         # nothing saved yet: every rank starts again from the setup state, survivors included
         fleet.client[fleet.engine_ids()].apply_sync(engine.set_step, 0)
+        fleet.fresh_ranks = []
         return {"tag": None, "step": 0, "restored": []}
-    return phases.run("restore", "restoring (resharded)", fleet.checkpoints.restore, tag)
+    report = phases.run("restore", "restoring (resharded)", fleet.checkpoints.restore, tag)
+    fleet.fresh_ranks = []  # a rank replaced on the way (dead before joining) has the state now too
+    return report
 
 
 def _teardown(fleet) -> None:
@@ -123,6 +126,7 @@ def scale(fleet, n: int) -> dict:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise OptionsError(f"scale needs a whole number of ranks >= 1 (got {n!r}); e.g. %fleet scale 3")
     fleet._targets(None)
+    fleet._recover_if_dead()
     if fleet.fresh_ranks:
         raise OptionsError(f"rank {','.join(map(str, fleet.fresh_ranks))} was replaced and has no state yet; "
                            "run %fleet recover before scaling")

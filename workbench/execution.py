@@ -370,8 +370,9 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tupl
         fleet.rendezvous()
     except WorkbenchError as exc:
         return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"], dead
-    if (dead or killed) and fleet.fresh_ranks:
-        what = "; ".join(causes.values()) if dead else "a rank that did not stop was killed"
+    if fleet.fresh_ranks:
+        what = ("; ".join(causes.values()) if dead else "a rank that did not stop was killed" if killed
+                else "a rank died while the process group was rebuilt")
         return [f"{what}. It was replaced by a fresh engine with an empty namespace: run %fleet recover next "
                 "(rebuilds the group, replays the --setup cells and restores the latest checkpoint on every "
                 "rank, so all ranks agree on the state); other cells are refused until then"], dead

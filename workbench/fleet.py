@@ -172,8 +172,8 @@ class Fleet:
 
         started = time.monotonic()
         progress = ProgressLine(self.progress)
-        self.runtime_dir = tempfile.mkdtemp(prefix="workbench-")  # mode 0700
         try:
+            self.runtime_dir = tempfile.mkdtemp(prefix="workbench-")  # mode 0700
             self.run_id, self.run_dir = new_run_dir(self.runs_dir)
             self.metrics = FleetMetrics(
                 self.run_id, self.run_dir, self.runtime_dir, lambda: self.world_size,
@@ -205,6 +205,11 @@ class Fleet:
             self._launch_spares(self.spares_wanted)
             progress.show(f"fleet: {len(self.members)} engines up; joining process group ({self.backend})…")
             self.rendezvous()
+            self.fresh_ranks = []  # an engine replaced while starting: no rank has state yet
+        except OSError as exc:  # no room for the runtime folder, no free port, ...
+            self.stop()
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise FleetError(f"the fleet could not start: {exc.strerror or exc}{where}") from exc
         except BaseException:
             self.stop()
             raise
@@ -342,6 +347,8 @@ class Fleet:
         unassigned = self._unassigned()
         new_ids = []
         for set_id, slot in sets.items():
+            if slot.slot not in unassigned:  # it registered, then died before it got its rank
+                raise FleetError(f"the engine for rank slot {slot.slot} exited right after starting; try again")
             engine_id, info = unassigned[slot.slot]
             self.members.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
             new_ids.append(engine_id)
@@ -539,6 +546,7 @@ class Fleet:
 
         def exit_code():
             codes = [(getattr(lc, "stop_data", None) or {}).get("exit_code") for lc in launchers]
+            codes += [_own_child_exit(getattr(lc, "process", None), member.pid) for lc in launchers]
             return next((c for c in codes if isinstance(c, int)), None)
 
         deadline = time.monotonic() + EXIT_STATUS_WAIT_S  # its launcher's thread notices the exit by itself
@@ -583,7 +591,28 @@ class Fleet:
 
     # ------------------------------------------------------------------ process group
     def rendezvous(self) -> None:
-        """(Re)build the process group on every rank, on a fresh port."""
+        """(Re)build the process group on every rank, on a fresh port.
+
+        An engine found dead before it joined is replaced first (it then counts as a fresh
+        rank: %fleet recover gives it the state). One that dies while the others wait for it
+        leaves them blocked inside ``init_process_group``, where nothing reaches them: they are
+        replaced too, and the group is built once more."""
+        if dead := self.dead_ranks(settle_s=0.0):
+            print(f"workbench: {'; '.join(self.loss(r)[0] for r in dead)} before joining the process group; "
+                  "starting a fresh engine in its place", file=sys.stderr, flush=True)
+            self.replace(dead)
+        stuck = self._join_all()
+        if stuck:
+            print(f"workbench: rank {','.join(map(str, stuck))} waited in init_process_group for a rank that "
+                  "died; replacing them and building the group again", file=sys.stderr, flush=True)
+            self.replace(stuck)
+            if stuck := self._join_all():
+                raise FleetError(f"the process group could not be built: rank {','.join(map(str, stuck))} died "
+                                 "while joining twice; restart the fleet: %fleet stop, then %fleet start")
+
+    def _join_all(self) -> list[int]:
+        """Every rank joins a new group; returns the ranks to replace (dead while joining, and the
+        ranks left waiting for them), or [] once the group is up."""
         self.generation += 1
         hosts = {m.host for m in self.members}
         rank0 = self.client[self.member(0).engine_id]
@@ -592,6 +621,7 @@ class Fleet:
         addr = rendezvous.LOOPBACK if single_host else rank0.apply_sync(rendezvous.host_address)
         store = os.path.join(self.runtime_dir, f"store-{self.generation}") if single_host else None
         pending = []
+        started = time.monotonic()
         host_order = list(dict.fromkeys(m.host for m in self.members))  # ranks are grouped by host
         for member in self.members:
             peers = [m for m in self.members if m.host == member.host]
@@ -604,12 +634,27 @@ class Fleet:
             )
             pending.append((member, self.client[member.engine_id].apply_async(rendezvous.join, spec.to_dict())))
         deadline = time.monotonic() + min(self.pg_timeout, 120) + 10
-        for member, result in pending:
-            try:
-                info = result.get(timeout=max(0.1, deadline - time.monotonic()))
-            except Exception as exc:
-                raise FleetError(f"rank {member.rank} could not join the process group: {_one_line(exc)}") from None
-            member.device = info["device"]
+        waiting, lost = {member.rank: (member, result) for member, result in pending}, set()
+        while waiting:
+            concurrent.futures.wait([result for _, result in waiting.values()], timeout=execution.PID_CHECK_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            for rank, (member, result) in list(waiting.items()):
+                if result.ready():
+                    del waiting[rank]
+                    try:
+                        member.device = result.get()["device"]
+                    except Exception as exc:
+                        if not self.gone_ranks([rank]):
+                            raise FleetError(f"rank {rank} could not join the process group: "
+                                             f"{_one_line(exc)}") from None
+                        lost.add(rank)
+            lost |= set(self.gone_ranks(list(waiting)))
+            if lost:
+                return sorted(lost | set(waiting))
+            if time.monotonic() > deadline:
+                raise FleetError(f"rank {','.join(map(str, waiting))} did not join the process group "
+                                 f"within {deadline - started:.0f} s")
+        return []
 
     # ------------------------------------------------------------------ running code
     def _targets(self, ranks) -> list[int]:
@@ -857,6 +902,18 @@ def _check_machine_fits(n: int) -> None:
     if n > CPU_ENGINES_PER_CORE * cores:
         print(f"workbench: {n} CPU engines on {cores} cores will be slow and may time out in collectives; "
               f"consider -n {cores}", file=sys.stderr, flush=True)
+
+
+def _own_child_exit(process, pid: int) -> int | None:
+    """The exit code of the launcher's process ``process`` (a ``psutil.Popen``) if it is the
+    engine ``pid`` and has ended: read at once, where the launcher notices the exit only once
+    the engine's nanny has closed its output too. psutil keeps the code for the launcher."""
+    if process is None or getattr(process, "pid", None) != pid:
+        return None
+    try:
+        return None if process.is_running() else process.wait(0)
+    except Exception:  # psutil.TimeoutExpired, or reaped elsewhere
+        return None
 
 
 def _alive(pid: int) -> bool:

@@ -11,6 +11,8 @@ import os
 import secrets
 import time
 
+from .errors import FleetError
+
 RUNS_DIR_ENV = "WORKBENCH_RUNS_DIR"
 
 
@@ -21,7 +23,15 @@ def runs_root(base: str | None = None) -> str:
 def new_run_dir(base: str | None = None) -> tuple[str, str]:
     """Create a fresh run folder; return ``(run_id, path)``."""
     root = runs_root(base)
-    os.makedirs(root, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        return _new_run_folder(root)
+    except OSError as exc:
+        raise FleetError(f"cannot create the run folder under {root}: {exc.strerror or exc}; pass "
+                         f"runs_dir= (or set {RUNS_DIR_ENV}) to a writable folder") from None
+
+
+def _new_run_folder(root: str) -> tuple[str, str]:
     while True:
         run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
         path = os.path.join(root, run_id)

@@ -105,12 +105,26 @@ class WandbSink:
         """End of a cell: steps that not every rank logged are written as they are."""
         for step in sorted(self._pending):
             self._log(step)
+        self._make_private()
 
     def close(self) -> None:
         if self.run is not None:
             self.flush()
             self.run.finish()
+            self._make_private()
             self.run = None
+
+    def _make_private(self) -> None:
+        """wandb writes with the process umask (files 0644): make its tree under the run folder
+        owner-only, like the rest of the run's files."""
+        root = os.path.join(self.run_dir, "wandb")
+        for folder, _, files in os.walk(root):
+            for path, mode in [(folder, 0o700), *((os.path.join(folder, f), 0o600) for f in files)]:
+                try:
+                    if not os.path.islink(path):
+                        os.chmod(path, mode)
+                except OSError:
+                    pass  # wandb removed it meanwhile
 
     @property
     def path(self) -> str | None:
