@@ -323,7 +323,7 @@ def test_sigkill_of_a_rank_during_a_save_keeps_the_last_checkpoint(fleet, tmp_pa
         for attempt in range(3):
             error = kill_rank_during_save(fleet, victim=1 if attempt % 2 == 0 else 0, gate=str(tmp_path / "gate"))
             assert isinstance(error, DistributedCellError), error
-            assert "died: its process vanished" in error.report() and "was replaced" in error.report()
+            assert "died (SIGKILL): its process vanished" in error.report() and "was replaced" in error.report()
             assert layout.resolve(fleet.checkpoints.folder, "latest").endswith(f"/{good}")
             assert not [e for e in fleet.checkpoints.list() if e.state == "writing"]
             assert not [n for n in os.listdir(fleet.checkpoints.folder) if n.startswith(layout.TMP_PREFIX)]

@@ -170,7 +170,7 @@ def test_an_engine_killed_during_scale_is_replaced_and_the_scale_completes(elast
     finally:
         del fleet._add_engines
     assert time.monotonic() - started < 60
-    assert f"rank 1 died (engine" in capfd.readouterr().err
+    assert "rank 1 died (engine" in capfd.readouterr().err
     assert victim not in {m.pid for m in fleet.members} and fleet.world_size == 3 and not fleet.fresh_ranks
     for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
         _equal(before, got)
@@ -440,19 +440,70 @@ def test_warm_spares_take_new_and_lost_ranks():
 
 
 def test_recover_without_a_checkpoint_puts_every_rank_at_the_same_state():
+    """Sharded (FSDP) state has no live replica: without a checkpoint every rank starts over."""
     import os
     import signal
 
-    params = "({n: p.detach().clone() for n, p in model.named_parameters()}, workbench.step)"
+    params = "({n: p.full_tensor() for n, p in model.named_parameters()}, workbench.step)"
     with Fleet(n=2, progress=False, wandb=False) as fleet:
-        fleet.execute(SETUP, fleet_options("ddp"), show_output=False, setup=True)
-        fleet.run(TRAIN, show_output=False)
-        assert fleet.run("workbench.step", show_output=False) == [4, 4]
+        fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
+        fleet.run(TRAIN, strategy="fsdp", show_output=False)
+        assert fleet.run("workbench.step", strategy="fsdp", show_output=False) == [4, 4]
         victim = fleet.member(1).pid
         os.kill(victim, signal.SIGKILL)
         assert not wait_until_gone([victim])
         result = fleet.recover()
-        assert result["checkpoint"] is None and result["replaced"] == [1]
-        (p0, step0), (p1, step1) = fleet.run(params, show_output=False)
+        assert result["checkpoint"] is None and result["source"] is None and result["replaced"] == [1]
+        (p0, step0), (p1, step1) = fleet.run(params, strategy="fsdp", show_output=False)
         assert step0 == step1 == 0, "the survivor is not left at step 4 while the new rank is at 0"
         assert all((p0[k] == p1[k]).all() for k in p0)
+
+        # DDP: the survivor holds the whole state, so recover takes it from there (live replica)
+        fleet.execute(SETUP, fleet_options("ddp"), show_output=False, setup=True)
+        weights = "{n: p.detach().clone() for n, p in model.named_parameters()}"
+        start = fleet.run(weights, show_output=False)[0]
+        target = 40
+        reference_loss = fleet.run(LOOP.format(target=target, save=False), show_output=False)
+        reference = fleet.run(SNAPSHOT, show_output=False)[0]
+        fleet.execute(SETUP, fleet_options("ddp"), show_output=False, setup=True)  # the same initial model
+        fleet.client[fleet.engine_ids()].apply_sync(__import__("workbench.engine").engine.set_step, 0)
+        again = fleet.run(weights, show_output=False)[0]
+        assert all((start[k] == again[k]).all() for k in start)
+        victim = fleet.member(1).pid
+        failed = _kill_during(fleet, LOOP.format(target=target, save=False), victim, after_s=1.5)
+        assert "rank 1 died" in failed
+        result = fleet.recover()
+        assert result["source"] == 0 and result["checkpoint"] is None and result["replaced"] == [1]
+        assert 0 < result["step"] < target and {"model", "optimizer"} <= set(result["restored"])
+        assert not fleet.checkpoints.list(), "no checkpoint was ever taken"
+        assert fleet.run(LOOP.format(target=target, save=False), show_output=False) == reference_loss
+        for got in fleet.run(SNAPSHOT, show_output=False):
+            _equal(reference, got)  # bit-exact with the uninterrupted run
+
+
+def _kill_during(fleet, code: str, pid: int, after_s: float) -> str:
+    """Run ``code`` in a thread, SIGKILL ``pid`` after ``after_s``; return the cell's error headline."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from workbench import DistributedCellError
+
+    outcome = {}
+
+    def run():
+        try:
+            fleet.run(code, show_output=False)
+        except DistributedCellError as exc:
+            outcome["error"] = str(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(after_s)
+    os.kill(pid, signal.SIGKILL)
+    worker.join(120)
+    assert not worker.is_alive()
+    return outcome.get("error", "")
+
+

@@ -5,6 +5,10 @@ state, tear the process group down, add or remove engines (one GPU each on a
 GPU box), rendezvous at the new size on a fresh port, replay the recorded
 ``%%distributed --setup`` cells on every rank, and restore the checkpoint,
 resharded. Re-running the training cell then goes on from ``workbench.step``.
+
+Recovery after a death takes the state from a surviving replica where every
+survivor holds the whole state (DDP, no wrapping: :mod:`workbench.checkpoint.replica`),
+else from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import sys
 import time
 
 from . import engine, rendezvous
+from .checkpoint import replica
 from .checkpoint.api import abandon as abandon_saves
 from .devices import EngineSlot, visible_gpus
 from .errors import OptionsError
@@ -58,7 +63,31 @@ class _Phases:
         self.progress.show(f"{self.what}: done in {total:.1f} s ({steps}); {tail}")
 
 
-def _replay_and_restore(fleet, phases: _Phases, tag: str) -> dict:
+def _keep_live_state(fleet, lost: set[int]) -> int | None:
+    """Survivors set their state aside before the setup replay; returns the engine id of the
+    one to take it from, or None when no survivor holds the whole state (sharded, or none left)."""
+    survivors = [r for r in range(fleet.world_size) if r not in lost]
+    if not survivors:
+        return None
+    ids = fleet.engine_ids(survivors)
+    try:
+        kept = fleet.client[ids].apply_async(replica.keep).get(timeout=60)
+    except Exception:  # a survivor that cannot answer: the checkpoint it is
+        kept = [None]
+    if all(k and k["replicated"] for k in kept) and len({(k["step"], tuple(k["keys"])) for k in kept}) == 1:
+        return ids[0]
+    _drop_kept(fleet, ids)
+    return None
+
+
+def _drop_kept(fleet, engine_ids: list[int]) -> None:
+    try:
+        fleet.client[engine_ids].apply_async(replica.drop)
+    except Exception:  # an engine that has died meanwhile kept nothing worth dropping
+        pass
+
+
+def _replay_and_restore(fleet, phases: _Phases, tag: str, replica_engine: int | None = None) -> dict:
     def replay():
         fleet.replaying = True
         try:
@@ -68,6 +97,14 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str) -> dict:
             fleet.replaying = False
 
     phases.run("setup", f"replaying {len(fleet.setup_cells)} setup cell(s)", replay)
+    source = next((m.rank for m in fleet.members if m.engine_id == replica_engine), None)
+    if replica_engine is not None and source is None:  # the source died too, on the way
+        _drop_kept(fleet, fleet.engine_ids())
+    if source is not None:
+        report = phases.run("restore", f"sending rank {source}'s live state to every rank",
+                            fleet.checkpoints.from_replica, source)
+        fleet.fresh_ranks = []
+        return {"tag": None, "source": source, **report}
     if tag == "latest" and not [e for e in fleet.checkpoints.list() if e.state == "complete"]:
         # nothing saved yet: every rank starts again from the setup state, survivors included
         fleet.client[fleet.engine_ids()].apply_sync(engine.set_step, 0)
@@ -88,11 +125,13 @@ def _teardown(fleet) -> None:
 
 def recover(fleet, shrink: bool = False) -> dict:
     """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
-    the process group, replay the setup cells on every rank and restore the latest
-    complete checkpoint (resharded)."""
+    the process group, replay the setup cells on every rank, then give every rank the
+    survivors' state (DDP: a live replica) or the latest complete checkpoint (resharded)."""
     fleet._targets(None)
     phases = _Phases(fleet, "recover")
     dead = fleet.dead_ranks(settle_s=0.5)
+    replaced_before = set(fleet.fresh_ranks)  # replaced already, after the cell that saw them die
+    replica_engine = _keep_live_state(fleet, set(dead) | replaced_before)
     if shrink:
         # the lost ranks: dead now, or already replaced by fresh engines after the failed cell
         lost = sorted(set(dead) | set(fleet.fresh_ranks))
@@ -114,11 +153,18 @@ def recover(fleet, shrink: bool = False) -> dict:
         dead = sorted(set(dead) | set(late))
         phases.run("teardown", "process group teardown", _teardown, fleet)
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)
-    report = _replay_and_restore(fleet, phases, "latest")
-    phases.done(f"restored {', '.join(report['restored'])} from {report['tag']!r} at step {report['step']}"
-                if report["tag"] else "no checkpoint yet: every rank starts again from the setup cells, at step 0")
-    return {"timings": phases.timings, "replaced": dead, "checkpoint": report["tag"], "step": report["step"],
-            "restored": report["restored"]}
+    report = _replay_and_restore(fleet, phases, "latest", replica_engine)
+    if report.get("source") is not None:
+        tail = (f"restored {', '.join(report['restored'])} from the live state of rank {report['source']} "
+                f"at step {report['step']} (no checkpoint needed)")
+    elif report["tag"]:
+        tail = f"restored {', '.join(report['restored'])} from {report['tag']!r} at step {report['step']}"
+    else:
+        tail = "no checkpoint yet: every rank starts again from the setup cells, at step 0"
+    phases.done(tail)
+    replaced = dead if shrink else sorted(set(dead) | replaced_before)
+    return {"timings": phases.timings, "replaced": replaced, "checkpoint": report["tag"], "step": report["step"],
+            "restored": report["restored"], "source": report.get("source")}
 
 
 def scale(fleet, n: int) -> dict:

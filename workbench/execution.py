@@ -374,8 +374,8 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tupl
         what = ("; ".join(causes.values()) if dead else "a rank that did not stop was killed" if killed
                 else "a rank died while the process group was rebuilt")
         return [f"{what}. It was replaced by a fresh engine with an empty namespace: run %fleet recover next "
-                "(rebuilds the group, replays the --setup cells and restores the latest checkpoint on every "
-                "rank, so all ranks agree on the state); other cells are refused until then"], dead
+                "(rebuilds the group, replays the --setup cells and gives every rank a survivor's state or the "
+                "latest checkpoint, so all ranks agree); other cells are refused until then"], dead
     notes = ["the process group was rebuilt; models and optimizers prepared before are bound to the old "
              "group: run the cell that calls accelerator.prepare again"]
     if dead or killed:  # every rank was replaced: they all start from empty namespaces

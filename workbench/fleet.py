@@ -716,7 +716,7 @@ class Fleet:
             what = (f"the engine of rank {','.join(map(str, exc.dead))} died" if exc.dead
                     else f"rank {','.join(map(str, exc.hung))} hung")
             print(f"workbench: auto-recover {self.restarts}/{self.max_restarts}: {what} during the cell; recovering "
-                  "from the latest checkpoint and running the cell again", file=sys.stderr, flush=True)
+                  "(a survivor's state or the latest checkpoint) and running the cell again", file=sys.stderr, flush=True)
             self.recover()
             return self.execute(code, options, ranks=ranks, timeout=timeout, return_value=return_value,
                                 show_output=show_output, setup=setup)
@@ -740,12 +740,12 @@ class Fleet:
         if self.auto_recover and self.restarts < self.max_restarts:
             self.restarts += 1
             print(f"workbench: auto-recover {self.restarts}/{self.max_restarts}: the engine of rank "
-                  f"{','.join(map(str, dead))} died; recovering from the latest checkpoint", file=sys.stderr, flush=True)
+                  f"{','.join(map(str, dead))} died; recovering (a survivor's state or the latest checkpoint)", file=sys.stderr, flush=True)
             self.recover()
             return
         causes = "; ".join(self.loss(r)[1] for r in dead)
-        raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, restores the "
-                         "latest checkpoint on every rank)")
+        raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, gives every "
+                         "rank a survivor's state or the latest checkpoint)")
 
     def scale(self, n: int) -> dict:
         """Resize to ``n`` ranks mid-session: checkpoint, new process group, setup replay,
@@ -756,7 +756,8 @@ class Fleet:
 
     def recover(self, shrink: bool = False) -> dict:
         """After an engine died: replace it (``shrink``: go on without it), rebuild the
-        group, replay the setup cells, restore the latest checkpoint (:mod:`workbench.elastic`)."""
+        group, replay the setup cells, then restore the survivors' state (a live replica) or the
+        latest checkpoint (:mod:`workbench.elastic`)."""
         from .elastic import recover
 
         result = recover(self, shrink=shrink)

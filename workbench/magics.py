@@ -214,7 +214,7 @@ class WorkbenchMagics(Magics):
             join them in a torch.distributed process group (gloo on CPU, nccl on GPU).
             The run's files go to ./workbench-runs/<run-id>/ (metrics.jsonl, wandb/).
             --auto-recover: when an engine dies during a cell, replace it, replay the
-            --setup cells, restore the latest checkpoint and run the cell again
+            --setup cells, restore a survivor's state or the latest checkpoint, run the cell again
             (at most K times, default 3). --hang-timeout: a rank with no heartbeat, or
             no progress, that long is hung (default 300 s, 0: off; no heartbeat counts
             only after 3 s, three beats). --spares: warm
@@ -231,8 +231,9 @@ class WorkbenchMagics(Magics):
             resharded restore. Re-run the training cell to go on from workbench.step.
         %fleet recover [--shrink]
             After an engine died: replace it (--shrink: go on without it), rebuild
-            the process group, replay the --setup cells and restore the latest
-            complete checkpoint (resharded).
+            the process group, replay the --setup cells, then give every rank the
+            survivors' state (DDP: a live replica) or the latest complete
+            checkpoint (resharded).
         %fleet pull NAME [--rank R]
             Copy NAME from a rank's namespace into the kernel (tensors to CPU).
         %fleet push NAME=EXPR [NAME=EXPR ...]

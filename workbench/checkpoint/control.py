@@ -12,7 +12,7 @@ import time
 
 from .. import engine, execution
 from ..errors import CheckpointError
-from . import api, layout
+from . import api, layout, replica
 
 
 class Checkpoints:
@@ -51,6 +51,11 @@ class Checkpoints:
         """Restore ``tag`` ('latest', a tag or a folder) on every rank; returns rank 0's report."""
         layout.resolve(self.folder, tag)  # a clear error before any rank is involved
         return self._on_every_rank(api.restore, tag)[0]
+
+    def from_replica(self, src: int) -> dict:
+        """Every rank takes the state rank ``src`` set aside before recover replayed the setup
+        cells (:mod:`.replica`); returns rank 0's report."""
+        return self._on_every_rank(replica.share, src)[0]
 
     def wait(self) -> None:
         """Wait for background saves on every rank to finish (errors are raised)."""

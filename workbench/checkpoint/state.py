@@ -18,9 +18,9 @@ from ..errors import CheckpointError
 REGISTERED: dict[str, object] = {}
 
 
-def prepared_objects(namespace: dict) -> dict[str, dict[str, object]]:
+def prepared_objects(namespace: dict, any_generation: bool = False) -> dict[str, dict[str, object]]:
     """Prepared objects bound to names, by kind: models, optimizers, schedulers, dataloaders;
-    only those prepared on the current process group."""
+    only those prepared on the current process group, unless ``any_generation``."""
     import torch
 
     from ..engine import STATE
@@ -31,7 +31,7 @@ def prepared_objects(namespace: dict) -> dict[str, dict[str, object]]:
         if name.startswith("_") or not (getattr(obj, "_is_accelerate_prepared", False)
                                         or getattr(obj, "_workbench_instrumented", False)):
             continue
-        if getattr(obj, "_workbench_generation", generation) != generation:
+        if not any_generation and getattr(obj, "_workbench_generation", generation) != generation:
             continue  # prepared on a process group that has been rebuilt since: stale
         if isinstance(obj, torch.nn.Module):
             found["model"][name] = obj
@@ -89,8 +89,8 @@ def _optimizer_key(name: str, model) -> str:
 class RankState:
     """This rank's checkpoint content, built from its namespace."""
 
-    def __init__(self, namespace: dict, rank: int, step: int) -> None:
-        self.objects = prepared_objects(namespace)
+    def __init__(self, namespace: dict, rank: int, step: int, any_generation: bool = False) -> None:
+        self.objects = prepared_objects(namespace, any_generation)
         self.rank = rank
         self.step = step
         self.pairs: dict[str, str] = {}  # optimizer name -> model name

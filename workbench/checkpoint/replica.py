@@ -1,0 +1,76 @@
+"""Engine side: recovery from a live replica (used by ``%fleet recover``).
+
+With DDP, or with no wrapping, every rank holds the whole model, optimizer and
+scheduler state. When ranks are replaced, each survivor first sets its state
+aside (:func:`keep`: references to the old objects' tensors, no copy); the
+setup cells are then replayed on every rank, and one survivor sends its state
+to every rank over the new group (:func:`share`). The work lost is the step in
+flight, not a checkpoint interval. Each survivor keeps its own RNG state; a
+replaced rank's RNG state died with it.
+
+Sharded state (FSDP2, hsdp, ``--tp``, ``--pp``: DTensor parameters) is held by
+no single rank: :func:`keep` says so and recover loads the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+from .state import RankState, set_rng_state
+
+KEPT: dict | None = None  # this rank's state dict, set aside by keep() until share() or drop()
+
+
+def keep() -> dict | None:
+    """Set this rank's prepared state aside; return ``{"step", "replicated", "keys"}``, or
+    None when nothing is prepared. Objects prepared on an older process group count
+    (the group was rebuilt after the failure that made recovery necessary)."""
+    global KEPT
+    from .. import engine
+    from ..metrics.logger import LOGGER
+
+    rank = engine.STATE.spec.rank if engine.STATE.spec else 0
+    state = RankState(engine._namespace(), rank, LOGGER.step, any_generation=True)
+    if not any(state.objects.values()):
+        KEPT = None
+        return None
+    KEPT = state.state_dict()
+    return {"step": LOGGER.step, "replicated": not _has_shards(KEPT), "keys": sorted(KEPT)}
+
+
+def share(src: int) -> dict:
+    """Collective: every rank takes rank ``src``'s kept state into its freshly set-up objects."""
+    global KEPT
+    import torch.distributed as dist
+
+    from .. import engine
+    from ..metrics.logger import LOGGER
+
+    rank = engine.STATE.spec.rank
+    own, KEPT = KEPT, None
+    payload = [own if rank == src else None]
+    dist.broadcast_object_list(payload, src=src)  # between this fleet's own ranks, in memory
+    state = payload[0]
+    live = RankState(engine._namespace(), rank, LOGGER.step)
+    restored = live.apply({key: value for key, value in state.items() if not key.startswith("rng/")})
+    if own is not None and f"rng/{rank}" in own:
+        set_rng_state(own[f"rng/{rank}"])
+        restored.append("rng")
+    LOGGER.step = int(state["workbench"]["step"])
+    return {"step": LOGGER.step, "restored": restored}
+
+
+def drop() -> None:
+    """Forget the kept state (recover used the checkpoint instead)."""
+    global KEPT
+    KEPT = None
+
+
+def _has_shards(state) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return True
+    if isinstance(state, dict):
+        return any(_has_shards(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return any(_has_shards(v) for v in state)
+    return False
