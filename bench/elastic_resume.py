@@ -7,6 +7,7 @@ step, and rank 0 writes the wall time at which that step finished.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -51,3 +52,5 @@ if __name__ == "__main__":
             with open(out, "w") as f:
                 f.write(str(time.time()))
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # torch 2.13 sometimes aborts in a thread's destructor at interpreter exit (seen: SIGABRT)
