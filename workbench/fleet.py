@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from . import engine, execution, rendezvous
+from . import engine, execution, rendezvous, template
 from .checkpoint.control import Checkpoints
 from .devices import EngineSlot, parse_gpu_list, plan_engines
 from .errors import FleetError, OptionsError
@@ -39,10 +39,14 @@ from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 DEFAULT_ENGINE_TIMEOUT_S = 120.0
-# ipyparallel's hub unregisters an engine after this many missed 3 s heartbeats (its default, 10,
+# The hub pings engines every HUB_HEARTBEAT_PERIOD_MS; a new engine counts as registered at the first
+# ping it answers (ipyparallel's 3 s period made every new engine wait up to 6 s for that). The hub
+# unregisters an engine silent for HUB_HEARTBEAT_MISSES periods, 120 s (ipyparallel's 30 s
 # unregistered live engines of a 2-core machine at load 18); a local engine counts as dead only
 # once its process is gone, so this bounds how long a silent engine on another host takes
-HUB_HEARTBEAT_MISSES = 40
+HUB_HEARTBEAT_PERIOD_MS = 500
+HUB_SILENT_S = 120
+HUB_HEARTBEAT_MISSES = HUB_SILENT_S * 1000 // HUB_HEARTBEAT_PERIOD_MS
 EXIT_GRACE_S = 5.0
 CONTROLLER_TIMEOUT_S = 5.0
 EXIT_STATUS_WAIT_S = 0.5  # how long a death report waits for the launcher to say how the engine ended  # a status query the controller does not answer in this long fails  # an engine whose launcher says it exited gets this long to show up registered
@@ -152,6 +156,7 @@ class Fleet:
         self.client = None
         self._cluster = None
         self._reaper: subprocess.Popen | None = None
+        self._template: subprocess.Popen | None = None  # the process local engines fork from
         self._cells = 0
         self._set_counter = 0
 
@@ -187,6 +192,7 @@ class Fleet:
                 progress.show(f"fleet: starting controller ({self.launcher.name} engines)…")
                 kwargs = self.launcher.cluster_kwargs()
                 kwargs["controller_args"] = [*kwargs.get("controller_args", ()),
+                                             f"--HeartMonitor.period={HUB_HEARTBEAT_PERIOD_MS}",
                                              f"--HeartMonitor.max_heartmonitor_misses={HUB_HEARTBEAT_MISSES}"]
                 self._cluster = ipp.Cluster(
                     profile_dir=os.path.join(self.runtime_dir, "profile"),
@@ -197,7 +203,10 @@ class Fleet:
                 self.launcher.configure(self._cluster)
                 self._cluster.start_controller_sync()
                 self._start_reaper()
+                self._start_template()
                 self._record_pids()
+                if self.launcher.name == "local":
+                    self._wait_for_template(progress, started)
                 sets = {self._launch(slot): slot for slot in self._slots}
                 self.client = self._cluster.connect_client_sync()
                 self._wait_for_engines(sets, progress, started)
@@ -258,6 +267,10 @@ class Fleet:
                 proc.kill()
             except psutil.Error:
                 pass
+        if self._template is not None:
+            self._template.kill()
+            self._template.wait()
+            self._template = None
         if self._reaper is not None:
             try:
                 self._reaper.wait(timeout=5)
@@ -460,6 +473,8 @@ class Fleet:
         if self.attached:
             return  # not ours to kill
         pids = [m.pid for m in self.members + self.spares]
+        if self._template is not None:
+            pids.append(self._template.pid)
         engine_sets = self._cluster.engines.values() if self._cluster is not None else ()
         for engine_set in engine_sets:  # the processes the launchers started, registered or not
             pids += [p for p in (getattr(lc, "pid", None) for lc in getattr(engine_set, "launchers", {}).values())
@@ -472,6 +487,29 @@ class Fleet:
             except psutil.Error:
                 pass
         write_pids(self.runtime_dir, pids)
+
+    def _start_template(self) -> None:
+        """Start the engine template (:mod:`workbench.template`) local engines fork from."""
+        if self.launcher.name != "local":
+            return
+        self._template = subprocess.Popen(
+            [sys.executable, "-m", "workbench.template", self.runtime_dir],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+
+    def _wait_for_template(self, progress: ProgressLine, started: float) -> None:
+        """Wait until the template can fork engines; if it failed, say why (engines start cold)."""
+        path = template.socket_path(self.runtime_dir)
+        deadline = time.monotonic() + self.engine_timeout
+        while not os.path.exists(path) and self._template.poll() is None and time.monotonic() < deadline:
+            progress.show(f"fleet: importing torch ({time.monotonic() - started:.0f} s)…",
+                          key=int(time.monotonic() - started))
+            time.sleep(0.05)
+        if not os.path.exists(path):
+            error = self._template.stderr.read().decode(errors="replace").strip().splitlines() \
+                if self._template.poll() is not None else ["it did not start in time"]
+            print(f"workbench: engines start without the engine template ({error[-1] if error else 'no output'})",
+                  file=sys.stderr, flush=True)
 
     def _start_reaper(self) -> None:
         self._reaper = subprocess.Popen(
@@ -505,7 +543,7 @@ class Fleet:
 
     def dead_ranks(self, settle_s: float = 2.0) -> list[int]:
         """Ranks whose engine is gone (its process ended) or unreachable (the hub unregistered it
-        after HUB_HEARTBEAT_MISSES missed heartbeats), after letting the hub notice a death.
+        after HUB_SILENT_S without heartbeats), after letting the hub notice a death.
         :meth:`loss` says which."""
         deadline = time.monotonic() + settle_s
         while True:
@@ -529,8 +567,8 @@ class Fleet:
         who = f"engine {m.engine_id}, pid {m.pid}"
         if self._alive_here(m):
             return (f"rank {rank} lost contact ({who}, process alive)",
-                    f"the controller lost contact with rank {rank} ({who}): its process is alive but missed "
-                    f"{HUB_HEARTBEAT_MISSES} heartbeats (the machine may be overloaded)")
+                    f"the controller lost contact with rank {rank} ({who}): its process is alive but sent "
+                    f"no heartbeat for {HUB_SILENT_S} s (the machine may be overloaded)")
         how = self._exit_status(m)
         return (f"rank {rank} died ({who}{', ' + how if how else ''})",
                 f"the engine of rank {rank} ({who}) died{f' ({how})' if how else ''}: its process vanished without "
@@ -547,6 +585,8 @@ class Fleet:
         def exit_code():
             codes = [(getattr(lc, "stop_data", None) or {}).get("exit_code") for lc in launchers]
             codes += [_own_child_exit(getattr(lc, "process", None), member.pid) for lc in launchers]
+            if self.runtime_dir:  # an engine forked from the engine template: the template reaped it
+                codes.append(template.exit_status(self.runtime_dir, member.pid))
             return next((c for c in codes if isinstance(c, int)), None)
 
         deadline = time.monotonic() + EXIT_STATUS_WAIT_S  # its launcher's thread notices the exit by itself

@@ -11,10 +11,17 @@ of one task, one ssh command, so a rank can be replaced or added alone.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import time
 from dataclasses import dataclass, field
 
+import psutil
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+
 from .errors import OptionsError
+from .template import exit_status, socket_path
 
 LAUNCHERS = ("local", "mpi", "slurm", "pbs", "ssh")
 REMOTE = ("slurm", "pbs", "ssh")  # engines may run on other hosts: the controller listens on the network
@@ -64,10 +71,10 @@ class LauncherSpec:
         return trait
 
     def cluster_kwargs(self) -> dict:
-        """Arguments for ``ipp.Cluster``: the engine launcher, and for engines on other hosts a
-        controller that listens on the network (registration is still signed with the
-        cluster's key)."""
-        kwargs = {} if self.name == "local" else {"engines": self.name}
+        """Arguments for ``ipp.Cluster``: the engine launcher (local engines fork from the engine
+        template, :mod:`workbench.template`), and for engines on other hosts a controller that
+        listens on the network (registration is still signed with the cluster's key)."""
+        kwargs = {"engines": TemplateEngineSetLauncher} if self.name == "local" else {"engines": self.name}
         if self.remote:
             kwargs["controller_ip"] = "*"
         return kwargs
@@ -119,3 +126,58 @@ def parse_size(text) -> int | None:
     if value < 2**20:
         raise OptionsError(f"--memory-limit {text!r} is below 1 MiB; write a unit, e.g. 4G")
     return value
+
+
+
+class TemplateEngineLauncher(LocalEngineLauncher):
+    """One local engine, forked from the fleet's engine template (:mod:`workbench.template`,
+    listening in the runtime folder that holds the cluster's profile) once it is ready; a cold
+    ``python -m ipyparallel.engine`` before that, or if the template is gone."""
+
+    forked = False
+
+    def _runtime_dir(self) -> str:
+        return os.path.dirname(os.path.abspath(self.profile_dir))
+
+    def start(self):
+        path = socket_path(self._runtime_dir())
+        if not os.path.exists(path):
+            return super().start()
+        request = {"argv": self.args, "env": {**os.environ, **self.get_env()}, "cwd": self.work_dir,
+                   "output": self.output_file}
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(10)
+                conn.connect(path)
+                conn.sendall((json.dumps(request) + "\n").encode())
+                pid = json.loads(conn.makefile("r").readline())["pid"]
+        except (OSError, ValueError, KeyError) as exc:
+            self.log.warning("engine template unavailable (%s); starting a cold engine", exc)
+            return super().start()
+        self.forked = True
+        self.pid = pid
+        self.process = psutil.Process(pid)
+        self.notify_start(pid)
+        self._start_waiting()
+
+    def _wait(self):
+        if not self.forked:
+            return super()._wait()
+        while not self._stop_waiting.is_set() and self.state == "running":
+            try:
+                self.process.wait(timeout=self.poll_seconds)
+            except psutil.TimeoutExpired:
+                continue
+            break
+        code = None  # not our child: the template reaps it and records how it ended
+        deadline = time.monotonic() + 1.0
+        while (code := exit_status(self._runtime_dir(), self.pid)) is None and time.monotonic() < deadline:
+            time.sleep(0.025)
+        stop_data = dict(exit_code=code, pid=self.pid, identifier=self.identifier)
+        self.loop.add_callback(lambda: self.notify_stop(stop_data))
+
+
+class TemplateEngineSetLauncher(LocalEngineSetLauncher):
+    """ipyparallel's local engine-set launcher, with engines forked from the engine template."""
+
+    launcher_class = TemplateEngineLauncher
