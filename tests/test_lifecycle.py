@@ -22,6 +22,10 @@ def test_stop_leaves_no_process_and_no_runtime_files():
     assert oct(os.stat(runtime).st_mode & 0o777) == "0o700"
     pids = [p for m in fleet.members for p in _tree(m.pid)] + [fleet._cluster.controller.pid]
     assert len(pids) >= 5  # 2 engines, 2 nannies, 1 controller
+    template = fleet._template.pid  # the engines fork from the engine template, their nannies from them
+    assert all(psutil.Process(m.pid).ppid() == template for m in fleet.members)
+    assert oct(os.stat(os.path.join(runtime, "template.sock")).st_mode & 0o777) == "0o600"
+    pids.append(template)
     fleet.stop()
     assert wait_until_gone(pids, timeout=10) == []
     assert not os.path.exists(runtime)

@@ -2,10 +2,11 @@
 
 Each rank is its own ipyparallel engine set, so that every engine gets its own
 environment (``CUDA_VISIBLE_DEVICES`` with exactly one GPU) and can be stopped
-or replaced alone. ``spares=K`` keeps K more engines started and warm (torch
-imported), not in the process group: scaling up and replacing a dead rank
-take one instead of starting an engine (about 6 s on CPU), and a new spare is
-started in the background.
+or replaced alone. Local engines fork from the engine template
+(:mod:`workbench.template`), so a new one is ready in about a second.
+``spares=K`` keeps K more engines started and warm, not in the process group:
+scaling up and replacing a dead rank take one instead of starting an engine,
+and a new spare is started in the background.
 """
 
 from __future__ import annotations
