@@ -36,6 +36,12 @@ def _cell_records(fleet, start):
     return fleet.metrics.store.since(start)
 
 
+def _after_first_steps(records, skip=2):
+    """Each rank's records but its first ``skip`` of the cell: those include set-up, and DDP
+    reports a backward's communication time at the next step."""
+    return [r for rank in sorted({r.rank for r in records}) for r in [x for x in records if x.rank == rank][skip:]]
+
+
 def _jsonl(fleet) -> list[dict]:
     with open(fleet.metrics.jsonl_path) as f:
         return [json.loads(line) for line in f]
@@ -85,12 +91,13 @@ def test_builtin_measurements_without_user_code(fleet, strategy):
         assert record.system["step_time_s"] > 0
         assert record.system["samples_per_s"] > 0
         assert record.system["rss_mb"] > 50
-    comm = [r.system["comm_s"] for r in records[2:]]  # the first steps include set-up
+    later = _after_first_steps(records)
+    comm = [r.system["comm_s"] for r in later]
     if strategy == "none":
         assert max(comm) == 0
     else:
-        assert min(comm) > 0, comm
-        assert statistics.fmean(comm) < statistics.fmean(r.system["step_time_s"] for r in records[2:])
+        assert min(comm) > 0, [(r.rank, r.step, r.system["comm_s"]) for r in records]
+        assert statistics.fmean(comm) < statistics.fmean(r.system["step_time_s"] for r in later)
 
 
 def test_user_logs_carry_the_step_measurements_and_grad_accum_counts_real_steps(fleet):
@@ -98,7 +105,8 @@ def test_user_logs_carry_the_step_measurements_and_grad_accum_counts_real_steps(
     fleet.run(TRAIN.format(steps=10, log="workbench.log(loss=loss.item(), samples=16)"), show_output=False)
     records = _cell_records(fleet, start)
     assert len(records) == 2 * 10
-    assert all("loss" in r.scalars and r.system["comm_s"] > 0 for r in records[2:])
+    assert all("loss" in r.scalars for r in records)
+    assert all(r.system["comm_s"] > 0 for r in _after_first_steps(records))
     start = len(fleet.metrics.store)
     fleet.run(TRAIN.format(steps=12, log="pass"), grad_accum=3, show_output=False)
     assert len(_cell_records(fleet, start)) == 2 * 4, "12 micro-batches, accumulating 3: 4 optimizer steps"

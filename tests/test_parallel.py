@@ -58,7 +58,7 @@ for step in range(8):
     accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
     workbench.log(loss=loss.item())
     losses.append(loss.item())
-losses, type(model._comm_hooks[0][1]).__name__
+losses, type(model._comm_hooks[0][1]).__name__ if model._comm_hooks else None
 """
 
 

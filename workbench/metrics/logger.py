@@ -26,7 +26,7 @@ from .instrument import CommClock
 
 MAX_BUFFERED = 50_000  # records kept while the kernel is not reading
 MAX_BATCH = 2_000  # records per message
-SEND_EVERY_S = 0.05  # batching interval: latency floor vs. wake-ups per second
+SEND_EVERY_S = 0.2  # batching interval: latency floor vs. CPU taken from training (ends of cells flush at once)
 SEND_HWM = 32  # messages zmq queues before a send would block
 BEAT_EVERY_S = 1.0  # heartbeat interval (a message goes at least this often)
 STACK_AFTER_S = 2.0  # a stalled rank adds its main thread's stack to its heartbeats
@@ -280,15 +280,24 @@ def _plain(scalars: dict) -> dict:
 def _memory() -> dict:
     import sys
 
-    import psutil
-
-    memory = {"rss_mb": psutil.Process().memory_info().rss / 2**20}
+    memory = {"rss_mb": _this_process().memory_info().rss / 2**20}
     cuda = getattr(sys.modules.get("torch"), "cuda", None)  # torch may be half-imported by the main thread
     if cuda is not None and cuda.is_available() and cuda.is_initialized():
         memory["cuda_max_mb"] = cuda.max_memory_allocated() / 2**20
     return memory
 
 
+def _this_process():
+    """psutil's handle on this process, made once per process (engines are forked)."""
+    import psutil
+
+    global _PROCESS
+    if _PROCESS is None or _PROCESS.pid != os.getpid():
+        _PROCESS = psutil.Process()
+    return _PROCESS
+
+
+_PROCESS = None
 LOGGER = MetricsLogger()
 
 
