@@ -132,6 +132,66 @@ def test_async_save_returns_before_writing_and_training_goes_on(fleet, tmp_path)
     assert manifest.step == steps[0], "the async checkpoint holds the state at the time of the call"
 
 
+BN_SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+"""
+BN_SNAPSHOT = SNAPSHOT.replace("(_params,", "(_params, [b.clone() for b in model.buffers()],")
+SLOW_STAGING = """
+import time
+from workbench.checkpoint.api import SAVES
+_stager = SAVES.staging()
+_stage = _stager._stage
+def _slow_stage(state_dict, **kwargs):  # the copy starts after the loop's next steps have begun
+    time.sleep(0.5)
+    return _stage(state_dict, **kwargs)
+_stager._stage = _slow_stage
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_async_checkpoint_holds_the_state_of_the_call_while_the_loop_goes_straight_on(fleet, strategy):
+    """Staging runs while the next forward and backward do (the forward changes BatchNorm's
+    buffers in place; the optimizer step waits for the copy): the checkpoint still holds
+    exactly the state at the call."""
+    fleet.run(BN_SETUP, strategy=strategy, show_output=False)
+    fleet.run(TRAIN.format(steps=2), strategy=strategy, show_output=False)
+    before = fleet.run(BN_SNAPSHOT, strategy=strategy, show_output=False)
+    tag = f"staged-{strategy}"
+    fleet.run(SLOW_STAGING, show_output=False)
+    try:
+        fleet.run(f"workbench.checkpoint.save(tag={tag!r}, async_=True)\n" + TRAIN.format(steps=3),
+                  strategy=strategy, show_output=False)
+    finally:
+        fleet.run("_stager._stage = _stage", show_output=False)
+    fleet.checkpoints.wait()
+    with pytest.raises(AssertionError):
+        _same_bn(before[0], fleet.run(BN_SNAPSHOT, strategy=strategy, show_output=False)[0])
+    fleet.checkpoints.restore(tag)
+    after = fleet.run(BN_SNAPSHOT, strategy=strategy, show_output=False)
+    # DCP keeps one copy of an unsharded tensor: every rank gets one rank's buffers back (DDP
+    # makes them equal at the next forward anyway by broadcasting rank 0's)
+    source = next(b for b in before if _equal(b[1], after[0][1]))
+    for saved, restored in zip(before, after, strict=True):
+        _same_bn(saved, restored, buffers=source[1])
+
+
+def _equal(xs, ys) -> bool:
+    return all((x == y).all() for x, y in zip(xs, ys, strict=True))
+
+
+def _same_bn(a, b, buffers=None):
+    """``buffers``: what b's buffers must be; default a's."""
+    params_a, buffers_a, *rest_a = a
+    params_b, buffers_b, *rest_b = b
+    assert _equal(buffers if buffers is not None else buffers_a, buffers_b), "buffers"
+    _same((params_a, *rest_a), (params_b, *rest_b))
+
+
 def test_keep_last_and_maybe_save(fleet):
     _setup(fleet, "ddp")
     fleet.run("for _ in range(6):\n    workbench.log(x=1)\n    workbench.checkpoint.maybe_save(every=2, async_=False, keep_last=2)",

@@ -236,8 +236,9 @@ def _with_metrics(reply: dict) -> dict:
     errors of background checkpoint saves (reported once, never lost)."""
     import os
 
-    from .checkpoint.api import take_errors
+    from .checkpoint.api import take_errors, wait_for_staging
 
+    wait_for_staging()  # the next cell may change parameters in place
     LOGGER.cell_finished()
     reply["group_intact"] = STATE.group_intact()
     reply["metrics"] = {"pid": os.getpid(), "seq": LOGGER.flush(), "cell": LOGGER.cells}

@@ -3,6 +3,16 @@
 Every rank calls these together (they are collective). Saving goes through
 ``torch.distributed.checkpoint`` on a gloo group of its own, so an async save
 can write in the background while training uses the default group.
+
+An async save stays off the training loop's critical path twice over (torchtitan's
+"zero-overhead" recipe): the copy of parameters and optimizer state ("staging") runs in
+a background thread while the next forward and backward run, and the next optimizer
+step waits for it (a global optimizer pre-step hook; also the end of the cell), since
+that step is what changes them in place; everything else (buffers, which a forward
+updates, RNG, registered objects) is copied before ``save`` returns. The write then
+runs in DCP's background thread at the lowest CPU priority (Linux keeps a nice value
+per thread), so on a machine whose cores the ranks keep busy it takes the time
+training leaves idle instead of taking it from training.
 """
 
 from __future__ import annotations
@@ -11,6 +21,8 @@ import concurrent.futures
 import os
 import secrets
 import shutil
+import sys
+import threading
 import time
 import traceback
 
@@ -36,15 +48,22 @@ class _Saves:
         self.group_generation = None
         self.last_saved_step: int | None = None
         self.stager = None  # keeps its staging buffers: later async saves only copy into them
+        self.staging_done: concurrent.futures.Future | None = None  # the copy of the save in flight
+        self._step_hook = None
 
     def staging(self):
         if self.stager is None:
-            # synchronous copy into cached CPU buffers (pinned memory needs CUDA)
+            # copies in a background thread into cached CPU buffers (pinned memory needs CUDA)
             import torch
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available()
-            self.stager = DefaultStager(StagingOptions(cuda, False, False, False))
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=cuda))
+        if self._step_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._step_hook = register_optimizer_step_pre_hook(lambda *_: wait_for_staging())
         return self.stager
 
 
@@ -69,6 +88,15 @@ def _group(spec):
         SAVES.group = dist.new_group(backend="gloo")
         SAVES.group_generation = spec.generation
     return SAVES.group
+
+
+def wait_for_staging() -> None:
+    """Block until the async save in flight has copied the state (parameters and optimizer
+    state may change after that); its errors surface with the save's."""
+    done = SAVES.staging_done
+    if done is not None:
+        concurrent.futures.wait([done])
+        SAVES.staging_done = None
 
 
 def take_errors() -> list[str]:
@@ -156,6 +184,47 @@ def _nbytes(value) -> int:
     return 0
 
 
+def _background_writer(path: str):
+    """A ``FileSystemWriter`` that lowers the priority of the thread it writes from when that
+    is not the main thread (DCP's async executor), so training keeps the cores."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class BackgroundWriter(FileSystemWriter):
+        def set_up_storage_writer(self, *args, **kwargs):
+            _lower_thread_priority()
+            return super().set_up_storage_writer(*args, **kwargs)
+
+    return BackgroundWriter(path, thread_count=1)
+
+
+def _lower_thread_priority() -> None:
+    if sys.platform == "linux" and threading.current_thread() is not threading.main_thread():
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only, on Linux
+        except OSError:
+            pass
+
+
+def _copy_volatile(state_dict: dict, objects: dict) -> dict:
+    """``state_dict`` with the tensors that change outside an optimizer step (model buffers,
+    RNG and registered objects) copied now; parameters and optimizer state stay references
+    for the background staging."""
+    import torch
+
+    buffers = {b.data_ptr() for model in objects["model"].values() for b in model.buffers()}
+
+    def copy(value, volatile: bool):
+        if isinstance(value, torch.Tensor) and not hasattr(value, "to_local"):
+            return value.clone() if volatile or value.data_ptr() in buffers else value
+        if isinstance(value, dict):
+            return {k: copy(v, volatile) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy(v, volatile) for v in value)
+        return value
+
+    return {key: copy(value, not key.startswith(("model/", "optimizer/"))) for key, value in state_dict.items()}
+
+
 def _broadcast(value, group, rank: int):
     import torch.distributed as dist
 
@@ -168,9 +237,10 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
          strategy: str | None = None) -> str:
     """Save a checkpoint of this rank's prepared objects; every rank must call it.
 
-    ``tag`` defaults to ``step-<workbench.step>``. With ``async_``, returns once
-    the state is staged (copied) and writes in the background; a later save
-    waits for it, and an error is reported at the next call or cell. Returns the tag.
+    ``tag`` defaults to ``step-<workbench.step>``. With ``async_``, returns at once:
+    the state is copied in the background before the next optimizer step changes it,
+    then written at low priority; a later save waits for it, and an error is reported
+    at the next call or cell. Returns the tag.
     """
     engine, spec, logger = _context()
     wait()  # one save at a time; a failed background save is reported here
@@ -182,32 +252,18 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
     group = _group(spec)
     tag = layout.check_tag(tag) if tag is not None else f"step-{logger.step}"
     folder = layout.checkpoints_dir(engine.STATE.run_dir)
-    decision = None
-    if spec.rank == 0:
-        try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            if os.path.exists(os.path.join(folder, tag)):
-                raise CheckpointError(f"checkpoint {tag!r} already exists; pick another --tag, or rm it first")
-            tmp = os.path.join(folder, f"{layout.TMP_PREFIX}{tag}-{secrets.token_hex(3)}")
-            os.mkdir(tmp, 0o700)
-            decision = {"tmp": tmp}
-        except OSError as exc:
-            decision = {"error": f"cannot write checkpoints to {folder}: {exc.strerror or exc}"}
-        except CheckpointError as exc:
-            decision = {"error": str(exc)}
-    decision = _broadcast(decision, group, spec.rank)
-    if "error" in decision:
-        raise CheckpointError(decision["error"])
-    tmp = decision["tmp"]
+    tmp = _own_folder(folder, tag, spec, logger.step) if async_ else _agreed_folder(folder, tag, spec, group)
     _mark_writer(tmp)
     state = RankState(engine._namespace(), spec.rank, logger.step)
     manifest = layout.Manifest(tag=tag, step=logger.step, world_size=spec.world_size,
                                strategy=strategy or _strategy(engine), created=time.time())
-    writer = FileSystemWriter(tmp, thread_count=1)
+    writer = _background_writer(tmp) if async_ else FileSystemWriter(tmp, thread_count=1)
     state_dict: dict = {}
     try:
         state_dict = state.state_dict()
-        if not async_:
+        if async_:
+            state_dict = _copy_volatile(state_dict, state.objects)
+        else:
             dcp_save(state_dict, storage_writer=writer, process_group=group)
     except _FAILURES as exc:
         reason = _explain(exc, tmp, state_dict)  # before rank 0 removes the folder (and frees the space)
@@ -225,7 +281,8 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
             raise CheckpointError(next(e for e in errors if e))
         SAVES.last_saved_step = logger.step
         return tag
-    upload = async_save(state_dict, storage_writer=writer, process_group=group, async_stager=SAVES.staging())
+    response = async_save(state_dict, storage_writer=writer, process_group=group, async_stager=SAVES.staging())
+    SAVES.staging_done, upload = response.staging_completion, response.upload_completion
     done: concurrent.futures.Future = concurrent.futures.Future()
 
     def finish(future):
@@ -246,6 +303,44 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
     SAVES.pending, SAVES.pending_tag = done, tag
     SAVES.last_saved_step = logger.step
     return tag
+
+
+def _agreed_folder(folder: str, tag: str, spec, group) -> str:
+    """The folder to write into, made by rank 0 and sent to every rank (or its error)."""
+    decision = None
+    if spec.rank == 0:
+        try:
+            _check_new(folder, tag)
+            tmp = os.path.join(folder, f"{layout.TMP_PREFIX}{tag}-{secrets.token_hex(3)}")
+            os.mkdir(tmp, 0o700)
+            decision = {"tmp": tmp}
+        except OSError as exc:
+            decision = {"error": f"cannot write checkpoints to {folder}: {exc.strerror or exc}"}
+        except CheckpointError as exc:
+            decision = {"error": str(exc)}
+    decision = _broadcast(decision, group, spec.rank)
+    if "error" in decision:
+        raise CheckpointError(decision["error"])
+    return decision["tmp"]
+
+
+def _own_folder(folder: str, tag: str, spec, step: int) -> str:
+    """The same folder as :func:`_agreed_folder`, named by every rank alike from the tag, the
+    process group's generation and the step, without a collective: an async save returns at
+    once even when the ranks arrive at it a little apart."""
+    try:
+        _check_new(folder, tag)
+        tmp = os.path.join(folder, f"{layout.TMP_PREFIX}{tag}-g{spec.generation}s{step}")
+        os.makedirs(tmp, 0o700, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoints to {folder}: {exc.strerror or exc}") from None
+    return tmp
+
+
+def _check_new(folder: str, tag: str) -> None:
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    if os.path.exists(os.path.join(folder, tag)):
+        raise CheckpointError(f"checkpoint {tag!r} already exists; pick another --tag, or rm it first")
 
 
 def _mark_writer(tmp: str) -> None:
