@@ -69,6 +69,7 @@ class CommClock:
                 total += data.get("backward_comm_time", 0) / 1e9
         self._ddp = alive
         return total
+
     def timed(self, launch, *args, **kwargs):
         """Run ``launch`` (a collective); time it until its Work (if async) completes."""
         start = time.perf_counter()
@@ -189,13 +190,16 @@ def instrument(obj, logger, options=None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         hook = options.comm_hook if options is not None else None
-        if isinstance(obj, DistributedDataParallel) and not obj._comm_hooks and hook is None:
-            logger.comm.watch_ddp(obj)
-        elif isinstance(obj, DistributedDataParallel) and not obj._comm_hooks:
-            from ..parallel.hooks import comm_hook
+        if isinstance(obj, DistributedDataParallel):
+            if obj._comm_hooks:
+                pass  # the user's own hook: left alone, not timed
+            elif hook is None:
+                logger.comm.watch_ddp(obj)
+            else:
+                from ..parallel.hooks import comm_hook
 
-            state, inner = comm_hook(hook)
-            obj.register_comm_hook(state, _timed_comm_hook(logger.comm, inner))
+                state, inner = comm_hook(hook)
+                obj.register_comm_hook(state, _timed_comm_hook(logger.comm, inner))
         elif isinstance(obj, FSDPModule):
             _wrap_fsdp_comms(obj, logger.comm)
         obj.register_forward_pre_hook(_count_samples(logger), with_kwargs=True)
