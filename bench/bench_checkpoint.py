@@ -68,7 +68,7 @@ def main() -> dict:
         "sync_save_median_s": median(sync),
         "async_blocked_median_s": median(blocked),
         "ratio_async_blocked_over_sync": median(blocked) / median(sync),
-        "target_blocked": "<= 0.10",
+        "target_blocked": "<= 0.02",
         "steps_per_s_normal": median(normal),
         "steps_per_s_during_background_write": median(background) if background else 0.0,
         "ratio_throughput_during_write": (median(background) / median(normal)) if background else 0.0,

@@ -105,11 +105,11 @@ def main() -> dict:
         "torchrun_relaunch_3_resume_until_first_step_s": median(theirs),
         "ratio_rescale_over_torchrun": median(cold) / median(theirs),
         "ratio_rescale_with_spare_over_torchrun": median(warm) / median(theirs),
-        "target_ratio": "<= 0.5",
+        "target_ratio": "<= 0.3",
         "sigkill_to_cell_failed_s": median(detect),
         "target_detection_s": "<= 5",
         "sigkill_to_training_again_s": median(recovery),
-        "target_recovery_s": "<= 30",
+        "target_recovery_s": "<= 5",
         "rounds": ROUNDS,
     })
 

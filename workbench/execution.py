@@ -160,8 +160,15 @@ class _Stopper:
         self.steps = [(0.0, action) for _, action in self.steps]
 
 
+def _metadata(ar, attr: str):
+    """``ar.<attr>`` of a one-engine request, read from its metadata dict: the attribute
+    re-parses every date in it (dateutil), which cost more than the empty cell itself."""
+    metadata = getattr(ar, "_metadata", None)
+    return metadata[0].get(attr) if isinstance(metadata, list) and len(metadata) == 1 else getattr(ar, attr)
+
+
 def _stream_text(ar, attr: str) -> str:
-    value = getattr(ar, attr)
+    value = _metadata(ar, attr)
     if isinstance(value, list):
         value = "".join(value)
     return value or ""
@@ -173,9 +180,8 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     Raises :class:`DistributedCellError` if any rank failed, and
     ``KeyboardInterrupt`` after an interrupt (once every rank has stopped).
     """
-    client = fleet.client
     started = time.monotonic()
-    pending = {r: client[fleet.member(r).engine_id].apply_async(function, *args) for r in ranks}
+    pending = {r: fleet.view(fleet.member(r).engine_id).apply_async(function, *args) for r in ranks}
     submitted = dict(pending)  # pending loses ranks as they finish; their output stays
     output = RankOutput(ranks) if show_output else None
     watch = fleet.metrics.watch(show_output)
@@ -197,7 +203,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
             return
         output.update({r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr")) for r, ar in submitted.items()},
                       force=force)
-        outs = submitted[ranks[0]].outputs
+        outs = _metadata(submitted[ranks[0]], "outputs") or []
         if output.live_blocks and len(outs) > shown_outputs:
             from IPython.display import display
 

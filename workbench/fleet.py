@@ -155,6 +155,7 @@ class Fleet:
         self.generation = 0
         self.runtime_dir: str | None = None
         self.client = None
+        self._views: tuple = (None, {})  # (client, {engine id: its view}): see view()
         self._cluster = None
         self._reaper: subprocess.Popen | None = None
         self._template: subprocess.Popen | None = None  # the process local engines fork from
@@ -524,6 +525,17 @@ class Fleet:
 
     def member(self, rank: int) -> Member:
         return self.members[rank]
+
+    def view(self, engine_id: int):
+        """The one-engine view of ``engine_id`` (kept: building one costs ~0.1 ms per cell and rank;
+        engine ids are never reused, and a new client starts a new cache)."""
+        client, views = self._views
+        if client is not self.client:
+            views = {}
+            self._views = (self.client, views)
+        if engine_id not in views:
+            views[engine_id] = self.client[engine_id]
+        return views[engine_id]
 
     def signal(self, ranks: list[int], sig: int) -> None:
         """Send ``sig`` to the engines of ``ranks``: by pid on this host (no round trip, and it works
