@@ -46,6 +46,8 @@ def test_distributed_without_a_fleet(kernel):
         ("%fleet start --gpus 0,1", "not visible"),
         ("%fleet start --backend carrier-pigeon", "unknown backend"),
         ("%fleet frobnicate", "invalid choice"),
+        ("%fleet strat", "did you mean 'start'?"),
+        ("%fleet start --spraes 1", "did you mean '--spares'?"),
         ("%fleet", "needs a command"),
         ("%fleet start -n 2 --launcher slurm --launcher-option bogus=1", "has no option 'bogus'"),
         ("%fleet start -n 2 --launcher yarn", "unknown launcher"),
@@ -117,6 +119,8 @@ def test_push_pull_and_namespace(kernel):
     assert reply["status"] == "ok"
     reply, messages = kernel.execute("v = %fleet pull value --rank 1\nprint(v.tolist())")
     assert "[15]" in kernel.text(messages)
+    reply, messages = kernel.execute("del value\n%fleet pull value --rank 0\nprint(value.tolist())")
+    assert reply["status"] == "ok" and "[14]" in kernel.text(messages)  # pull binds the name in the kernel
     assert "NAME=EXPR" in _usage_error(kernel, "%fleet push 3")
 
 
@@ -229,3 +233,25 @@ def test_interrupting_the_kernel_stops_every_rank(kernel):
     assert reply["status"] == "ok" and "2.0" in kernel.text(messages), kernel.text(messages)[-1500:]
     reply, _ = kernel.execute("%fleet stop")
     assert reply["status"] == "ok"
+
+
+@pytest.mark.parametrize("line, shown", [
+    ("%fleet -h", "usage: %fleet scale n"),
+    ("%fleet start --help", "number of engines (default: one per GPU, or 2 on CPU)"),
+    ("%checkpoint save -h", "--keep-last"),
+    ("%metrics -h", "--summary"),
+])
+def test_dash_h_prints_help_generated_from_the_parser(kernel, line, shown):
+    reply, messages = kernel.execute(line)
+    assert reply["status"] == "ok" and shown in kernel.text(messages)
+
+
+def test_distributed_help_flags_are_generated_and_typos_get_a_suggestion(kernel):
+    reply, messages = kernel.execute("%%distributed --help\nprint('not run')")
+    text = kernel.text(messages)
+    assert reply["status"] == "ok" and "--fsdp-wrap" in text and "not run" not in text
+    assert "did you mean '--strategy'?" in _usage_error(kernel, "%%distributed --strtegy fsdp\n1")
+    from workbench.magics import WorkbenchMagics
+
+    doc = WorkbenchMagics.fleet.__doc__  # what %fleet? shows
+    assert "Flags (also: %fleet -h)" in doc and "warm engines kept ready outside the group" in doc

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import difflib
 import functools
+import re
 import shlex
 
 from IPython.core.error import UsageError
@@ -46,10 +48,44 @@ def current_metrics():
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one-line UsageErrors instead of exiting."""
+    """argparse that reports errors as one-line UsageErrors instead of exiting, suggests the
+    nearest sub-command or flag for a typo, and answers ``-h``/``--help`` with help generated
+    from the parser (:meth:`parse_line`)."""
 
     def error(self, message):
-        raise UsageError(f"{self.prog}: {message} (see {self.prog.split()[0]}? for help)")
+        raise UsageError(f"{self.prog}: {message}{self._did_you_mean(message)} (see {self.prog.split()[0]} -h)")
+
+    def parse_line(self, line: str) -> argparse.Namespace | None:
+        """Parse a magic's line; with ``-h``/``--help`` print the help instead and return None."""
+        tokens = shlex.split(line)
+        if "-h" in tokens or "--help" in tokens:
+            print(self.help_text(tokens[0] if tokens else None))
+            return None
+        return self.parse_args(tokens)
+
+    def help_text(self, command: str | None = None) -> str:
+        """Usage and every flag with its help; one sub-command's if ``command`` names one."""
+        commands = self._commands()
+        if command in commands:
+            return commands[command].format_help().rstrip()
+        return "\n\n".join([self.format_help().rstrip(), *(p.format_help().rstrip() for p in commands.values())])
+
+    def _commands(self) -> dict[str, "_Parser"]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    def _did_you_mean(self, message: str) -> str:
+        if match := re.search(r"invalid choice: '([^']*)'", message):
+            candidates = list(self._commands())
+        elif match := re.search(r"unrecognized arguments: (\S+)", message):
+            candidates = [flag for parser in [self, *self._commands().values()]
+                          for flag in parser._option_string_actions]
+        else:
+            return ""
+        close = difflib.get_close_matches(match.group(1), candidates, n=1, cutoff=0.6)
+        return f"; did you mean {close[0]!r}?" if close else ""
 
     def exit(self, status=0, message=None):
         if message:
@@ -71,7 +107,7 @@ def _count(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number, e.g. -n 2") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number, e.g. 2") from None
 
 
 def _rank_list(text: str) -> list[int]:
@@ -117,8 +153,8 @@ def _fleet_parser() -> _Parser:
     recover.add_argument("--shrink", action="store_true", help="go on without the lost ranks")
     sub.add_parser("stop", prog="%fleet stop", add_help=False)
     pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
-    pull.add_argument("name")
-    pull.add_argument("--rank", type=int, default=0)
+    pull.add_argument("name", help="the name on the rank; bound to the same name in the kernel")
+    pull.add_argument("--rank", type=int, default=0, help="the rank to copy from (default 0)")
     push = sub.add_parser("push", prog="%fleet push", add_help=False)
     push.add_argument("assignments", nargs="+", help="name=expression, evaluated in the kernel")
     return parser
@@ -237,14 +273,17 @@ class WorkbenchMagics(Magics):
             survivors' state (DDP: a live replica) or the latest complete
             checkpoint (resharded).
         %fleet pull NAME [--rank R]
-            Copy NAME from a rank's namespace into the kernel (tensors to CPU).
+            Copy NAME from a rank's namespace into the kernel (tensors to CPU):
+            binds NAME in the kernel's namespace and returns the value.
         %fleet push NAME=EXPR [NAME=EXPR ...]
             Evaluate each EXPR in the kernel and set NAME on every rank.
         %fleet stop
             Stop every engine and the controller.
         """
         global _current
-        args = _fleet_parser().parse_args(shlex.split(line))
+        args = _fleet_parser().parse_line(line)
+        if args is None:  # -h: help printed
+            return None
         if args.command is None:
             raise UsageError("%fleet needs a command: start, status, scale, recover, pull, push or stop (see %fleet?)")
         if args.command == "start":
@@ -282,7 +321,8 @@ class WorkbenchMagics(Magics):
         elif args.command == "recover":
             fleet.recover(shrink=args.shrink)
         elif args.command == "pull":
-            return fleet.pull(args.name, rank=args.rank)
+            value = self.shell.user_ns[args.name] = fleet.pull(args.name, rank=args.rank)
+            return value
         elif args.command == "push":
             fleet.push(**self._evaluate(args.assignments))
         return None
@@ -334,7 +374,9 @@ class WorkbenchMagics(Magics):
         --strategy none wraps nothing, but the rank is still the distributed
         environment of accelerate launch (your own Accelerator() gathers).
         """
-        args = _distributed_parser().parse_args(shlex.split(line))
+        args = _distributed_parser().parse_line(line)
+        if args is None:  # -h: help printed
+            return None
         fleet = current_fleet()
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
@@ -371,7 +413,9 @@ class WorkbenchMagics(Magics):
         Checkpoints live in ./workbench-runs/<run-id>/checkpoints/<tag>/; a save is
         atomic (written to a temporary folder, committed by a manifest and a rename).
         """
-        args = _checkpoint_parser().parse_args(shlex.split(line))
+        args = _checkpoint_parser().parse_line(line)
+        if args is None:  # -h: help printed
+            return None
         if args.command is None:
             raise UsageError("%checkpoint needs a command: save, list, restore, rm or wait (see %checkpoint?)")
         fleet = current_fleet()
@@ -406,7 +450,9 @@ class WorkbenchMagics(Magics):
         Inside %%distributed cells, ranks log with workbench.log(loss=...); the
         dashboard also appears by itself under a cell that logs.
         """
-        args = _metrics_parser().parse_args(shlex.split(line))
+        args = _metrics_parser().parse_line(line)
+        if args is None:  # -h: help printed
+            return None
         metrics = current_metrics()
         if metrics is None:
             raise UsageError("no fleet has run in this kernel; start one with %fleet start -n 2")
@@ -425,18 +471,20 @@ class WorkbenchMagics(Magics):
                 metrics.display_dashboard()
 
 
+@functools.cache
 def _checkpoint_parser() -> _Parser:
     parser = _Parser(prog="%checkpoint", add_help=False)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     save = sub.add_parser("save", prog="%checkpoint save", add_help=False)
-    save.add_argument("--tag", default=None)
-    save.add_argument("--async", dest="async_", action="store_true")
-    save.add_argument("--keep-last", type=_count, default=None)
+    save.add_argument("--tag", default=None, help="checkpoint name (default step-<workbench.step>)")
+    save.add_argument("--async", dest="async_", action="store_true",
+                      help="return once the state is copied; write in the background")
+    save.add_argument("--keep-last", type=_count, default=None, help="then delete all but the newest K complete checkpoints")
     sub.add_parser("list", prog="%checkpoint list", add_help=False)
     restore = sub.add_parser("restore", prog="%checkpoint restore", add_help=False)
-    restore.add_argument("tag", nargs="?", default="latest")
+    restore.add_argument("tag", nargs="?", default="latest", help="TAG, latest (default) or a checkpoint folder")
     rm = sub.add_parser("rm", prog="%checkpoint rm", add_help=False)
-    rm.add_argument("tag")
+    rm.add_argument("tag", help="the checkpoint to delete")
     sub.add_parser("wait", prog="%checkpoint wait", add_help=False)
     return parser
 
@@ -449,11 +497,23 @@ def _restored_line(report: dict) -> str:
             "workbench.step is now " + str(report["step"]))
 
 
+@functools.cache
 def _metrics_parser() -> _Parser:
     parser = _Parser(prog="%metrics", add_help=False)
-    parser.add_argument("--summary", action="store_true")
-    parser.add_argument("--path", action="store_true")
+    parser.add_argument("--summary", action="store_true", help="text summary of the whole run: last/min/mean per rank")
+    parser.add_argument("--path", action="store_true", help="where the run's metrics.jsonl and wandb run are")
     return parser
+
+
+def _add_generated_help() -> None:
+    """Each magic's docstring (``%fleet?``) ends with its flags, generated from its parser."""
+    for magic, parser in ((WorkbenchMagics.fleet, _fleet_parser), (WorkbenchMagics.distributed, _distributed_parser),
+                          (WorkbenchMagics.checkpoint, _checkpoint_parser), (WorkbenchMagics.metrics, _metrics_parser)):
+        flags = parser().help_text().replace("\n", "\n        ")
+        magic.__doc__ = f"{magic.__doc__.rstrip()}\n\n        Flags (also: {parser().prog} -h):\n\n        {flags}\n"
+
+
+_add_generated_help()
 
 
 def load_ipython_extension(ipython) -> None:
