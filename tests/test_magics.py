@@ -255,3 +255,33 @@ def test_distributed_help_flags_are_generated_and_typos_get_a_suggestion(kernel)
 
     doc = WorkbenchMagics.fleet.__doc__  # what %fleet? shows
     assert "Flags (also: %fleet -h)" in doc and "warm engines kept ready outside the group" in doc
+
+
+def test_unload_ext_stops_the_fleet_and_unregisters_the_magics():
+    import psutil
+    from conftest import Kernel
+
+    kernel = Kernel()
+    try:
+        reply, _ = kernel.execute("%load_ext workbench\n%fleet start -n 1 --no-wandb")
+        assert reply["status"] == "ok"
+        reply, messages = kernel.execute(
+            "from workbench.magics import current_fleet\n"
+            "print('pids', *[m.pid for m in current_fleet().members])")
+        pids = [int(p) for p in kernel.text(messages).split("pids")[1].split()]
+        reply, _ = kernel.execute("%unload_ext workbench")
+        assert reply["status"] == "ok"
+        procs = []
+        for pid in pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        assert not alive, alive
+        reply, _ = kernel.execute("%fleet status")
+        assert reply["status"] == "error" and "not found" in reply["evalue"]
+        reply, _ = kernel.execute("%load_ext workbench\n%fleet status")
+        assert reply["status"] == "error" and "no fleet is running" in reply["evalue"]  # registered again
+    finally:
+        kernel.shutdown()

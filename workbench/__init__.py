@@ -25,6 +25,7 @@ __all__ = [
     "OptionsError",
     "WorkbenchError",
     "load_ipython_extension",
+    "unload_ipython_extension",
     "log",
     "progress",
 ]
@@ -35,6 +36,12 @@ def load_ipython_extension(ipython):
     from .magics import load_ipython_extension as load
 
     load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from .magics import unload_ipython_extension as unload
+
+    unload(ipython)
 
 
 class _Module(types.ModuleType):

@@ -523,3 +523,16 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magics(WorkbenchMagics)
     panel.register(ipython)
     atexit.register(_stop_current)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext workbench``: stop the fleet and unregister the magics and the panel's comm target."""
+    from . import panel
+
+    _stop_current()
+    atexit.unregister(_stop_current)
+    panel.unregister(ipython)
+    for kind, names in WorkbenchMagics.magics.items():
+        for name in names:
+            ipython.magics_manager.magics[kind].pop(name, None)
+    ipython.magics_manager.registry.pop(WorkbenchMagics.__name__, None)

@@ -162,3 +162,17 @@ def close_all() -> None:
         for connection in _comms.values():
             connection.close()
         _comms.clear()
+
+
+def unregister(ipython) -> None:
+    """Close the panel's connections and remove its comm target (``%unload_ext workbench``)."""
+    if getattr(ipython, "kernel", None) is None:
+        return
+    from comm import get_comm_manager
+
+    with _comms_lock:
+        connections = list(_comms.values())
+        _comms.clear()
+    for connection in connections:
+        connection.close()
+    get_comm_manager().unregister_target(TARGET, None)
