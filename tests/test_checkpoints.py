@@ -198,8 +198,17 @@ def test_keep_last_and_maybe_save(fleet):
               show_output=False)
     complete = [e.tag for e in fleet.checkpoints.list() if e.state == "complete"]
     step = fleet.run("workbench.step", show_output=False)[0]
-    assert complete[-2:] == [f"step-{step - 2}", f"step-{step}"]
-    assert f"step-{step - 4}" not in complete, "older ones deleted"
+    last = step - step % 2  # the newest multiple of `every` (the fleet's step depends on the tests before)
+    assert complete[-2:] == [f"step-{last - 2}", f"step-{last}"]
+    assert f"step-{last - 4}" not in complete, "older ones deleted"
+    # by default maybe_save keeps its newest 3 periodic checkpoints and never a tag of the user's
+    fleet.checkpoints.save(tag="mine")
+    fleet.run("for _ in range(10):\n    workbench.log(x=1)\n    workbench.checkpoint.maybe_save(every=2, async_=False)",
+              show_output=False)
+    step = fleet.run("workbench.step", show_output=False)[0]
+    complete = [e.tag for e in fleet.checkpoints.list() if e.state == "complete"]
+    last = step - step % 2
+    assert sorted(complete) == sorted(["mine", *(f"step-{s}" for s in (last - 4, last - 2, last))]), complete
     fleet.run("workbench.log(x=1)", show_output=False)
     newest = fleet.checkpoints.save(keep_last=1)
     assert [e.tag for e in fleet.checkpoints.list() if e.state == "complete"] == [newest]

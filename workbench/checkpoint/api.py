@@ -240,8 +240,14 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
     ``tag`` defaults to ``step-<workbench.step>``. With ``async_``, returns at once:
     the state is copied in the background before the next optimizer step changes it,
     then written at low priority; a later save waits for it, and an error is reported
-    at the next call or cell. Returns the tag.
+    at the next call or cell. ``keep_last`` K: then delete all but the newest K complete
+    checkpoints. Returns the tag.
     """
+    retention = layout.Retention(keep_last) if keep_last is not None else None
+    return _save(tag, async_, retention, strategy)
+
+
+def _save(tag: str | None, async_: bool, retention: layout.Retention | None, strategy: str | None = None) -> str:
     engine, spec, logger = _context()
     wait()  # one save at a time; a failed background save is reported here
     import torch.distributed as dist
@@ -274,7 +280,7 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
     if not async_:
         if spec.rank != 0:  # rank 0's mark goes with the commit, so the folder is never seen as abandoned
             _unmark_writer(tmp)
-        error = _commit_on_rank0(spec.rank, tmp, final, manifest, folder, keep_last)
+        error = _commit_on_rank0(spec.rank, tmp, final, manifest, folder, retention)
         errors = [None] * spec.world_size
         dist.all_gather_object(errors, error, group=group)
         if any(errors):
@@ -290,7 +296,7 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
             _unmark_writer(tmp)
         try:
             future.result()
-            error = _commit_on_rank0(spec.rank, tmp, final, manifest, folder, keep_last)
+            error = _commit_on_rank0(spec.rank, tmp, final, manifest, folder, retention)
             if error:
                 raise CheckpointError(error)
             done.set_result(tag)
@@ -361,13 +367,13 @@ def _abandon(tmp: str, rank: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _commit_on_rank0(rank, tmp, final, manifest, folder, keep_last) -> str | None:
+def _commit_on_rank0(rank, tmp, final, manifest, folder, retention: layout.Retention | None) -> str | None:
     if rank != 0:
         return None
     try:
         layout.commit(tmp, final, manifest)
-        if keep_last is not None:
-            layout.retain(folder, keep_last)
+        if retention is not None:
+            layout.retain(folder, retention)
     except CheckpointError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         return str(exc)
@@ -382,15 +388,22 @@ def _strategy(engine) -> str:
     return key[0].strategy if key else "none"
 
 
-def maybe_save(every: int, *, async_: bool = True, keep_last: int | None = None) -> str | None:
-    """In a training loop: save when ``workbench.step`` is a multiple of ``every``."""
+MAYBE_SAVE_KEEP_LAST = 3
+
+
+def maybe_save(every: int, *, async_: bool = True, keep_last: int | None = MAYBE_SAVE_KEEP_LAST) -> str | None:
+    """In a training loop: save when ``workbench.step`` is a multiple of ``every`` (tag
+    ``step-<N>``), keeping the newest ``keep_last`` of these periodic checkpoints (default 3;
+    None keeps all). Checkpoints with a tag of your own are never deleted by it."""
     _, _, logger = _context()
     if every < 1:
         raise CheckpointError(f"maybe_save(every=...) needs a positive number of steps (got {every})")
+    if keep_last is not None and keep_last < 1:
+        raise CheckpointError(f"maybe_save(keep_last=...) must be at least 1, or None to keep all (got {keep_last})")
     step = logger.step
     if step == 0 or step % every or SAVES.last_saved_step == step:
         return None
-    return save(async_=async_, keep_last=keep_last)
+    return _save(None, async_, layout.Retention(keep_last, periodic_only=True) if keep_last is not None else None)
 
 
 def restore(tag: str = "latest") -> dict:

@@ -218,12 +218,27 @@ def resolve(folder: str, tag: str) -> str:
     raise CheckpointError(f"no checkpoint named {tag!r}; complete checkpoints: {known}")
 
 
-def retain(folder: str, keep_last: int) -> list[str]:
-    """Delete all but the newest ``keep_last`` complete checkpoints; never one being written."""
-    if keep_last < 1:
-        raise CheckpointError(f"keep_last must be at least 1 (got {keep_last})")
-    complete = [e for e in list_checkpoints(folder, clean=False) if e.state == "complete"]
-    doomed = complete[:-keep_last]
+@dataclass(frozen=True)
+class Retention:
+    """Which complete checkpoints a save keeps after it commits."""
+
+    keep_last: int
+    """the newest this many stay"""
+    periodic_only: bool = False
+    """only periodic ``step-<N>`` checkpoints (``maybe_save``) are candidates for deletion"""
+
+
+PERIODIC_TAG = re.compile(r"step-\d+")
+
+
+def retain(folder: str, retention: Retention) -> list[str]:
+    """Delete all but the newest ``retention.keep_last`` complete checkpoints (of those it
+    covers); never one being written."""
+    if retention.keep_last < 1:
+        raise CheckpointError(f"keep_last must be at least 1 (got {retention.keep_last})")
+    complete = [e for e in list_checkpoints(folder, clean=False) if e.state == "complete"
+                and (not retention.periodic_only or PERIODIC_TAG.fullmatch(e.tag))]
+    doomed = complete[:-retention.keep_last]
     for entry in doomed:
         shutil.rmtree(entry.path, ignore_errors=True)
     return [e.tag for e in doomed]
