@@ -230,6 +230,20 @@ def test_summary_text_for_headless_runs(fleet, capsys):
     assert "steps/s" in out and "comm ms" in out
 
 
+def test_steps_per_second_over_several_cells_leaves_out_the_idle_time_between_them(fleet):
+    from workbench.metrics.summary import steps_per_second
+
+    first = len(fleet.metrics.store)
+    loop = "import time\nfor i in range(10):\n    time.sleep(0.02)\n    workbench.log(x=i)"
+    fleet.run(loop, show_output=False)
+    time.sleep(1.5)  # the user reads the output: no training happens
+    fleet.run(loop, show_output=False)
+    records = [r for r in fleet.metrics.store.since(first) if r.rank == 0]
+    assert len(records) == 20
+    rate = steps_per_second(records)
+    assert 25 < rate < 55, rate  # ~1 / 20 ms; counting the 1.5 s pause would give < 12
+
+
 def test_wandb_mode_is_offline_without_a_key(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

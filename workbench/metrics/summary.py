@@ -16,11 +16,17 @@ def per_rank(records: list[Record]) -> dict[int, list[Record]]:
 
 
 def steps_per_second(records: list[Record]) -> float | None:
-    """Steps per second of one rank's records, from the wall time they span."""
+    """Steps per second of one rank's records: steps ÷ the time the steps took (the sum of their
+    step times, so the idle time between cells does not count); the wall time they span when
+    step times are missing."""
     if not records:
         return None
-    span = records[-1].time - records[0].time + records[0].system.get("step_time_s", 0.0)
-    return len(records) / span if span > 0 else None
+    times = [r.system.get("step_time_s") for r in records]
+    if all(t is not None for t in times):
+        busy = sum(times)
+    else:
+        busy = records[-1].time - records[0].time + (times[0] or 0.0)
+    return len(records) / busy if busy > 0 else None
 
 
 def _number(value) -> str:
