@@ -317,3 +317,22 @@ def test_a_dead_nanny_or_a_dead_engine_and_nanny_hang_nothing():
         assert str(info.value).startswith("rank 1 died"), str(info.value)
         stopping = time.monotonic()
     assert time.monotonic() - stopping < 30, "stop() is bounded"
+
+
+def test_each_rank_output_is_kept_in_the_run_folder(fleet):
+    fleet.run("import sys\nprint('kept for later', rank)\nprint('a warning', rank, file=sys.stderr)", show_output=False)
+    for rank in (0, 1):
+        path = os.path.join(fleet.run_dir, "logs", f"rank-{rank}.log")
+        text = open(path).read()
+        assert f"kept for later {rank}\n── stderr ──\na warning {rank}\n" in text, text[-500:]
+        assert "── distributed-cell-" in text
+        assert os.stat(path).st_mode & 0o077 == 0
+
+
+def test_an_engine_process_output_outlives_the_runtime_folder():
+    """What an engine writes to its own file descriptors (a C library, a crash) is kept at stop."""
+    with Fleet(n=1, progress=False) as one:
+        one.run("import os\nos.write(2, b'straight to fd 2\\n')", show_output=False)
+        logs = os.path.join(one.run_dir, "logs")
+    names = [n for n in os.listdir(logs) if n.startswith("engine-")]
+    assert any("straight to fd 2" in open(os.path.join(logs, n)).read() for n in names), names

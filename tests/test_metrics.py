@@ -309,3 +309,80 @@ def test_metrics_jsonl_goes_on_after_a_full_disk(tmp_path):
         sink.close()
         lines = open(os.path.join(disk, "metrics.jsonl")).read().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(350)), "every record, in order, none lost"
+
+
+def test_tensorboard_shows_the_run_with_a_line_per_rank_and_the_mean(fleet, tmp_path):
+    """Event files next to metrics.jsonl, read back by a real TensorBoard server (what
+    ``%tensorboard --logdir workbench-runs`` starts)."""
+    import subprocess
+    import sys
+    import urllib.parse
+    import urllib.request
+
+    from conftest import free_port
+
+    fleet.run("for i in range(4):\n    workbench.log(step=50_000 + i, tb_probe=i + rank * 0.5)", show_output=False)
+    folder = os.path.join(fleet.run_dir, "tensorboard")
+    assert {"rank0", "rank1"} <= set(os.listdir(folder))
+    assert all(os.stat(os.path.join(d, n)).st_mode & 0o077 == 0 for d, _, ns in os.walk(folder) for n in ns)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", os.path.dirname(fleet.run_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--load_fast", "false", "--reload_interval", "1"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "tb.log", "w"))
+    try:
+        def scalars(run):
+            query = urllib.parse.urlencode({"run": f"{fleet.run_id}/tensorboard{run}", "tag": "tb_probe"})
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?{query}", timeout=5) as r:
+                return {step: value for _, step, value in json.load(r)}
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                mean, rank1 = scalars(""), scalars("/rank1")
+                if len(mean) == 4 and len(rank1) == 4:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "tb.log").read_text()[-2000:]
+            time.sleep(0.5)
+    finally:
+        server.kill()
+        server.wait()
+    assert rank1 == {50_000 + i: i + 0.5 for i in range(4)}
+    assert mean == {50_000 + i: pytest.approx(i + 0.25) for i in range(4)}
+
+
+def test_each_cell_has_its_own_dashboard_that_keeps_its_numbers(fleet, monkeypatch):
+    """Two cells in a row: the first cell's widget still reads as it ended (the bug was one shared
+    widget: a 150-step cell ended up reading "step 200/150"). Warm-up steps do not set the axis."""
+    from workbench.metrics import live
+    from workbench.metrics.live import FleetMetrics
+
+    shown = []
+    monkeypatch.setattr(live, "in_kernel", lambda: True)
+    monkeypatch.setattr(FleetMetrics, "display_dashboard", lambda self, dashboard=None: shown.append(dashboard))
+    cell = ("import time\nworkbench.progress(total=workbench.step + {n})\nfor i in range({n}):\n"
+            "    time.sleep(0.4 if i == 0 else 0.002)\n    workbench.log(each=i)")
+    fleet.run(cell.format(n=30), show_output=True)
+    first = shown[0]
+    label, header = first._bars[0][1].value, first.header.value
+    assert label.startswith("step") and "/" in label and "this cell" in header and "60 records" in header, header
+    step_plot = first.system_plots["step"]
+    assert step_plot.y_scale.max is not None and step_plot.y_scale.max < 300, step_plot.y_scale.max  # ms
+    assert "above the chart" in step_plot.figure.title
+    assert "rank 0" in step_plot.legend.value and "rank 1" in step_plot.legend.value
+    fleet.run(cell.format(n=10), show_output=True)
+    assert len(shown) == 2 and shown[1] is not first
+    assert first._bars[0][1].value == label and first.header.value == header  # untouched by the second cell
+    assert "20 records" in shown[1].header.value
+
+
+def test_the_axis_top_leaves_out_a_warm_up_outlier():
+    from workbench.metrics.dashboard import steady_top
+
+    steady = [7.0, 7.2, 6.9, 7.1, 7.0, 7.3, 6.8, 7.0]
+    top = steady_top([2600.0, *steady])
+    assert 7.3 < top < 30
+    assert steady_top(steady) >= 7.3  # nothing clipped without outliers
+    assert steady_top([1.0, 2.0]) is None  # too few points: the axis fits them all

@@ -174,8 +174,11 @@ def _stream_text(ar, attr: str) -> str:
     return value or ""
 
 
-def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None, show_output=True) -> CellResult:
+def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None, show_output=True,
+                 title: str | None = None) -> CellResult:
     """Apply ``function(*args)`` on every rank in ``ranks`` and collect the replies.
+
+    ``title``: keep each rank's output in the run's ``logs/rank-<N>.log`` under this header.
 
     Raises :class:`DistributedCellError` if any rank failed, and
     ``KeyboardInterrupt`` after an interrupt (once every rank has stopped).
@@ -268,6 +271,9 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     if output is not None:
         _wait_for_output(submitted, result.replies)
     refresh(force=True)
+    if title is not None and fleet.rank_logs is not None:
+        fleet.rank_logs.cell(title, {r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr"))
+                                     for r, ar in submitted.items()})
     watch.finish(result.replies)
     for notice in sorted({n for reply in result.replies.values() for n in reply.get("notices", ())}):
         print(f"workbench: {notice}", file=sys.stderr)

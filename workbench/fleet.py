@@ -33,6 +33,7 @@ from .errors import FleetError, OptionsError
 from .launchers import LauncherSpec, parse_size
 from .metrics.live import FleetMetrics
 from .output import ProgressLine
+from .ranklogs import RankLogs
 from .reaper import write_pids
 from .runs import new_run_dir
 from .strategies import CellOptions
@@ -87,6 +88,7 @@ class Fleet:
         progress: bool = True,
         runs_dir: str | None = None,
         wandb: bool | None = None,
+        tensorboard: bool | None = None,
         auto_recover: bool = False,
         max_restarts: int = 3,
         hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
@@ -129,11 +131,14 @@ class Fleet:
         self.progress = progress
         self.runs_dir = runs_dir
         self.wandb = wandb
+        self.tensorboard = tensorboard
         self.run_id: str | None = None
         self.run_dir: str | None = None
         self.metrics: FleetMetrics | None = None
+        self.rank_logs: RankLogs | None = None  # <run>/logs: each rank's output, each engine's own
         self.checkpoints = Checkpoints(self)
         self.setup_cells: list[tuple[str, CellOptions]] = []  # replayed after scale / recovery
+        self.training_cell: tuple[str, CellOptions] | None = None  # the last other cell run on every rank
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise OptionsError(f"--max-restarts must be a whole number >= 0 (got {max_restarts!r})")
         self.auto_recover = auto_recover
@@ -182,10 +187,11 @@ class Fleet:
         try:
             self.runtime_dir = tempfile.mkdtemp(prefix="workbench-")  # mode 0700
             self.run_id, self.run_dir = new_run_dir(self.runs_dir)
+            self.rank_logs = RankLogs(self.run_dir)
             self.metrics = FleetMetrics(
                 self.run_id, self.run_dir, self.runtime_dir, lambda: self.world_size,
                 {"ranks": len(self._slots), "backend": self.backend, "device_type": self.device_type},
-                wandb=self.wandb,
+                wandb=self.wandb, tensorboard=self.tensorboard,
             )
             if self.attached:
                 progress.show("fleet: connecting to the running cluster…")
@@ -254,6 +260,9 @@ class Fleet:
             except Exception:
                 pass
         if cluster is not None:
+            if self.rank_logs is not None:
+                for set_id in list(cluster.engines):
+                    self.rank_logs.engine(set_id, self._engine_log(set_id, cluster))
             try:
                 cluster.stop_cluster_sync()
             except Exception:
@@ -309,12 +318,23 @@ class Fleet:
         self._record_pids()  # before it registers: a kill of the kernel now must not orphan it
         return set_id
 
-    def _engine_log(self, set_id: str) -> str:
-        engine_set = self._cluster.engines.get(set_id)
+    def _engine_log(self, set_id: str, cluster=None) -> str:
+        """An engine set's process output (``cluster``: this fleet's, also while it stops)."""
+        cluster = cluster if cluster is not None else self._cluster
+        engine_set = cluster.engines.get(set_id) if cluster is not None else None
         try:
             return engine_set.get_output() if engine_set else ""
         except Exception:
             return ""
+
+    def _stop_engine_set(self, set_id: str) -> None:
+        """Stop one engine set, keeping its process's own output in the run's logs/."""
+        if self.rank_logs is not None:
+            self.rank_logs.engine(set_id, self._engine_log(set_id))
+        try:
+            self._cluster.stop_engines_sync(set_id)
+        except Exception:
+            pass
 
     def _identify_new(self) -> None:
         """Ask engines that registered since the last call who they are (slot, pid, host)."""
@@ -632,10 +652,7 @@ class Fleet:
                 break  # their processes are gone: no need to wait for the hub to notice
             time.sleep(0.05)
         for member in dead:
-            try:
-                self._cluster.stop_engines_sync(member.engine_set)
-            except Exception:
-                pass
+            self._stop_engine_set(member.engine_set)
         self.members = [m for m in self.members if m.engine_id not in gone]
         self._add_engines([m.slot for m in dead])
         self.fresh_ranks = sorted(set(self.fresh_ranks) | set(ranks))
@@ -761,7 +778,7 @@ class Fleet:
         args = (code, options.to_dict(), name, return_value, not return_value)
         try:
             result = execution.run_on_ranks(self, targets, engine.run_cell, args, timeout=timeout,
-                                            show_output=show_output)
+                                            show_output=show_output, title=name)
         except execution.DistributedCellError as exc:
             if not (self.auto_recover and (exc.dead or exc.hung) and self.restarts < self.max_restarts):
                 raise
@@ -775,6 +792,8 @@ class Fleet:
                                 show_output=show_output, setup=setup)
         if setup:
             self.setup_cells = [c for c in self.setup_cells if c[0] != code] + [(code, options)]
+        elif ranks is None and not self.replaying:
+            self.training_cell = (code, options)
         self._adopt_spares()  # spares that registered while the cell ran get warm now
         return result
 
@@ -832,10 +851,7 @@ class Fleet:
                 self.client.shutdown(targets=[member.engine_id], block=True)
             except Exception:
                 pass
-            try:
-                self._cluster.stop_engines_sync(member.engine_set)
-            except Exception:
-                pass
+            self._stop_engine_set(member.engine_set)
         gone = {m.engine_id for m in doomed}
         self.members = [m for m in self.members if m.engine_id not in gone]
         psutil.wait_procs(_process_trees([m.pid for m in doomed]), timeout=5)
@@ -870,7 +886,8 @@ class Fleet:
             self._refuse_unrecovered()
             call = (code_or_function, args, kwargs, options.to_dict())
             result = execution.run_on_ranks(
-                self, targets, engine.run_function, call, timeout=timeout, show_output=show_output
+                self, targets, engine.run_function, call, timeout=timeout, show_output=show_output,
+                title=f"function {getattr(code_or_function, '__qualname__', 'call')}",
             )
         else:
             if args or kwargs:
@@ -879,6 +896,20 @@ class Fleet:
                 code_or_function, options, ranks=ranks, timeout=timeout, return_value=True, show_output=show_output
             )
         return result.values()
+
+    def export(self, path: str, *, overwrite: bool = False) -> list[str]:
+        """Write the recorded ``--setup`` cells and the last training cell as a script for
+        ``torchrun`` / ``accelerate launch`` (and an sbatch file with ``--launcher slurm``);
+        returns the paths written. Warns about cells that need IPython (:mod:`workbench.export`)."""
+        from .export import export
+
+        written, warnings = export(
+            path, self.setup_cells, self.training_cell, world_size=self.world_size,
+            nodes=len({m.host for m in self.members}) or 1, run_id=self.run_id, gpus=self.device_type == "cuda",
+            slurm_options=self.launcher.traits if self.launcher.name == "slurm" else None, overwrite=overwrite)
+        for warning in warnings:
+            print(f"workbench: {warning}", file=sys.stderr)
+        return written
 
     def pull(self, name: str, rank: int = 0) -> Any:
         """Copy the value of ``name`` from one rank's namespace (tensors to CPU)."""

@@ -21,6 +21,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from .errors import WorkbenchError
 from .execution import DistributedCellError
 from .fleet import DEFAULT_PG_TIMEOUT_S, Fleet
+from .ranklogs import logs_dir
 from .strategies import PRECISIONS, SCHEDULES, STRATEGIES, CellOptions
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
@@ -129,6 +130,8 @@ def _fleet_parser() -> _Parser:
     start.add_argument("--pg-timeout", type=_positive_float, default=DEFAULT_PG_TIMEOUT_S,
                        help="seconds after which a blocked collective fails")
     start.add_argument("--no-wandb", action="store_true", help="do not log this run to wandb")
+    start.add_argument("--no-tensorboard", action="store_true",
+                       help="do not write TensorBoard event files (on when tensorboard is installed)")
     start.add_argument("--auto-recover", action="store_true",
                        help="when an engine dies in a cell: recover and run the cell again")
     start.add_argument("--max-restarts", type=_count, default=3, help="auto-recover budget (default 3)")
@@ -155,6 +158,11 @@ def _fleet_parser() -> _Parser:
     pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
     pull.add_argument("name", help="the name on the rank; bound to the same name in the kernel")
     pull.add_argument("--rank", type=int, default=0, help="the rank to copy from (default 0)")
+    export = sub.add_parser("export", prog="%fleet export", add_help=False,
+                            description="the --setup cells and the last training cell as a script for torchrun / "
+                                        "accelerate launch (plus an sbatch file with --launcher slurm)")
+    export.add_argument("path", help="the script to write, e.g. train.py")
+    export.add_argument("--force", action="store_true", help="overwrite the files if they exist")
     push = sub.add_parser("push", prog="%fleet push", add_help=False)
     push.add_argument("assignments", nargs="+", help="name=expression, evaluated in the kernel")
     return parser
@@ -242,7 +250,7 @@ class WorkbenchMagics(Magics):
     def fleet(self, line: str):
         """Manage the engine fleet: one ipyparallel engine per rank (per GPU).
 
-        %fleet start [-n N] [--gpus 0,2] [--cpu] [--backend gloo|nccl|mpi] [--pg-timeout S] [--no-wandb]
+        %fleet start [-n N] [--gpus 0,2] [--cpu] [--backend gloo|nccl|mpi] [--pg-timeout S] [--no-wandb] [--no-tensorboard]
                      [--auto-recover [--max-restarts K]] [--hang-timeout S] [--spares K]
                      [--memory-limit SIZE] [--launcher local|mpi|slurm|pbs|ssh
                      [--partition P] [--time T] [--account A] [--qos Q]
@@ -250,7 +258,7 @@ class WorkbenchMagics(Magics):
                      [--profile NAME | --cluster-id ID]
             Start N engines (default: one per visible GPU, or 2 CPU engines) and
             join them in a torch.distributed process group (gloo on CPU, nccl on GPU).
-            The run's files go to ./workbench-runs/<run-id>/ (metrics.jsonl, wandb/).
+            The run's files go to ./workbench-runs/<run-id>/ (metrics.jsonl, wandb/, tensorboard/, logs/).
             --auto-recover: when an engine dies during a cell, replace it, replay the
             --setup cells, restore a survivor's state or the latest checkpoint, run the cell again
             (at most K times, default 3). --hang-timeout: a rank with no heartbeat, or
@@ -277,6 +285,10 @@ class WorkbenchMagics(Magics):
             binds NAME in the kernel's namespace and returns the value.
         %fleet push NAME=EXPR [NAME=EXPR ...]
             Evaluate each EXPR in the kernel and set NAME on every rank.
+        %fleet export PATH.py [--force]
+            Write the recorded --setup cells and the last training cell as one script
+            that runs unchanged under torchrun --nproc-per-node N and accelerate launch
+            (with --launcher slurm, also PATH.sbatch with the fleet's Slurm options).
         %fleet stop
             Stop every engine and the controller.
         """
@@ -285,7 +297,8 @@ class WorkbenchMagics(Magics):
         if args is None:  # -h: help printed
             return None
         if args.command is None:
-            raise UsageError("%fleet needs a command: start, status, scale, recover, pull, push or stop (see %fleet?)")
+            raise UsageError("%fleet needs a command: start, status, scale, recover, pull, push, export or stop "
+                             "(see %fleet?)")
         if args.command == "start":
             if current_fleet() is not None:
                 raise UsageError(
@@ -293,7 +306,8 @@ class WorkbenchMagics(Magics):
                     "use it, or stop it first with %fleet stop"
                 )
             fleet = Fleet(n=args.n, gpus=args.gpus, cpu=args.cpu, backend=args.backend, pg_timeout=args.pg_timeout,
-                          wandb=False if args.no_wandb else None, auto_recover=args.auto_recover,
+                          wandb=False if args.no_wandb else None,
+                          tensorboard=False if args.no_tensorboard else None, auto_recover=args.auto_recover,
                           max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
                           spares=args.spares, launcher=args.launcher, launcher_options=_launcher_options(args),
                           launcher_config=args.launcher_config, profile=args.profile, cluster_id=args.cluster_id,
@@ -325,6 +339,10 @@ class WorkbenchMagics(Magics):
             return value
         elif args.command == "push":
             fleet.push(**self._evaluate(args.assignments))
+        elif args.command == "export":
+            for path in fleet.export(args.path, overwrite=args.force):
+                print(f"wrote {path}")
+            print(f"run it with: torchrun --nproc-per-node {fleet.world_size} {args.path}")
         return None
 
     def _evaluate(self, assignments: list[str]) -> dict:
@@ -445,7 +463,7 @@ class WorkbenchMagics(Magics):
         %metrics              the dashboard widget (per-rank progress, scalar curves,
                               step time, throughput, communication time, memory)
         %metrics --summary    a text summary of the whole run: last/min/mean per rank
-        %metrics --path       where the run's metrics.jsonl and wandb run are
+        %metrics --path       where the run's metrics.jsonl, wandb run, TensorBoard files and logs are
 
         Inside %%distributed cells, ranks log with workbench.log(loss=...); the
         dashboard also appears by itself under a cell that logs.
@@ -460,6 +478,9 @@ class WorkbenchMagics(Magics):
             wandb_path = metrics.wandb.path if metrics.wandb is not None else None
             print(f"metrics: {metrics.jsonl_path}")
             print(f"wandb:   {wandb_path or 'no wandb run (nothing logged yet, or wandb disabled)'}")
+            tensorboard = metrics.tensorboard.folder if metrics.tensorboard is not None else None
+            print(f"tensorboard: {tensorboard or 'off (pip install tensorboard to have it)'}")
+            print(f"logs:    {logs_dir(metrics.run_dir)}  (each rank's output)")
         elif args.summary:
             print(metrics.summary())
         else:
@@ -501,7 +522,7 @@ def _restored_line(report: dict) -> str:
 def _metrics_parser() -> _Parser:
     parser = _Parser(prog="%metrics", add_help=False)
     parser.add_argument("--summary", action="store_true", help="text summary of the whole run: last/min/mean per rank")
-    parser.add_argument("--path", action="store_true", help="where the run's metrics.jsonl and wandb run are")
+    parser.add_argument("--path", action="store_true", help="where the run's metrics.jsonl, wandb run, TensorBoard files and logs are")
     return parser
 
 

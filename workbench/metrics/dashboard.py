@@ -20,11 +20,11 @@ REFRESH_S = 0.25  # at most ~4 updates a second
 MAX_POINTS = 500  # per line; longer series are averaged in buckets
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
           "#bcbd22", "#17becf"]
-SYSTEM_PLOTS = {  # plot -> (system field, title, scale), the first field that was recorded wins
-    "step": [("step_time_s", "step time (ms)", 1e3)],
-    "throughput": [("tokens_per_s", "throughput (tokens/s)", 1.0), ("samples_per_s", "throughput (samples/s)", 1.0)],
-    "comm": [("comm_s", "communication (ms / step)", 1e3)],
-    "memory": [("cuda_max_mb", "CUDA max allocated (MiB)", 1.0), ("rss_mb", "memory (RSS MiB)", 1.0)],
+SYSTEM_PLOTS = {  # plot -> (system field, title, unit, scale), the first field that was recorded wins
+    "step": [("step_time_s", "step time", "ms", 1e3)],
+    "throughput": [("tokens_per_s", "throughput", "tokens/s", 1.0), ("samples_per_s", "throughput", "samples/s", 1.0)],
+    "comm": [("comm_s", "communication per step", "ms", 1e3)],
+    "memory": [("cuda_max_mb", "CUDA max allocated", "MiB", 1.0), ("rss_mb", "memory (RSS)", "MiB", 1.0)],
 }
 
 
@@ -41,18 +41,26 @@ def downsample(xs: list, ys: list, limit: int = MAX_POINTS) -> tuple[list, list]
 
 
 class _Plot:
-    """One bqplot figure with a line per rank (or one mean line)."""
+    """One bqplot figure with a line per rank (or one mean line), its legend below the chart.
 
-    def __init__(self, title: str, height: str = "220px") -> None:
+    ``robust``: a few outliers (the warm-up step, often 100x the steady one) do not set the
+    y axis; the axis spans the steady values and the title says what is off the chart.
+    """
+
+    def __init__(self, title: str, height: str = "220px", y_label: str = "", robust: bool = False) -> None:
         import bqplot as bq
         import ipywidgets as widgets
 
+        self.title, self.robust = title, robust
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
-        axes = [bq.Axis(scale=self.x_scale, label="step"),
-                bq.Axis(scale=self.y_scale, side="left", tick_format=".3~g")]
-        self.figure = bq.Figure(marks=[], axes=axes, title=title, legend_location="top-right",
-                                fig_margin={"top": 40, "bottom": 40, "left": 60, "right": 20},
+        axes = [bq.Axis(scale=self.x_scale, label="step", tick_format="d"),
+                bq.Axis(scale=self.y_scale, side="left", label=y_label,
+                        tick_format=".4~g")]
+        self.figure = bq.Figure(marks=[], axes=axes, title=title,
+                                fig_margin={"top": 40, "bottom": 40, "left": 70, "right": 20},
                                 layout=widgets.Layout(height=height, width="100%"))
+        self.legend = widgets.HTML()
+        self.widget = widgets.VBox([self.figure, self.legend])
         self.lines: dict[str, object] = {}
 
     def show(self, series: dict[str, tuple[list, list]]) -> None:
@@ -62,27 +70,64 @@ class _Plot:
         if set(series) != set(self.lines):
             self.lines = {
                 label: bq.Lines(scales={"x": self.x_scale, "y": self.y_scale}, labels=[label],
-                                colors=[COLORS[i % len(COLORS)]], display_legend=len(series) > 1)
+                                colors=[COLORS[i % len(COLORS)]])
                 for i, label in enumerate(series)
             }
             self.figure.marks = list(self.lines.values())
+            self.legend.value = legend_html(list(series)) if len(series) > 1 else ""
         for label, (xs, ys) in series.items():
             xs, ys = downsample(xs, ys)
             line = self.lines[label]
             with line.hold_sync():
                 line.x, line.y = xs, ys
+        if self.robust:
+            self._fit([y for _, ys in series.values() for y in ys])
+
+    def _fit(self, values: list[float]) -> None:
+        """The y axis from 0 to above the steady values; outliers are clipped and counted."""
+        top = steady_top(values)
+        clipped = sum(1 for v in values if top is not None and v > top)
+        with self.y_scale.hold_sync():
+            self.y_scale.min = 0.0 if values and min(values) >= 0 else None
+            self.y_scale.max = top if clipped else None
+        self.figure.title = self.title + (f" · {clipped} above the chart (max {max(values):.4g})" if clipped else "")
+
+
+def steady_top(values: list[float], factor: float = 3.0) -> float | None:
+    """An axis top for ``values`` that leaves out rare outliers: ``factor`` x the median (the
+    warm-up step is typically 100x a steady one), never below the 90th percentile."""
+    if len(values) < 5:
+        return None
+    ordered = sorted(values)
+    median, p90 = statistics.median(ordered), ordered[int(0.9 * (len(ordered) - 1))]
+    return max(median * factor, p90) * 1.05 if median > 0 else None
+
+
+def legend_html(labels: list[str]) -> str:
+    """A legend under the chart: a colour swatch per line."""
+    items = "".join(
+        f'<span style="margin-right:12px;white-space:nowrap"><span style="display:inline-block;width:14px;'
+        f'height:3px;vertical-align:middle;margin-right:4px;background:{COLORS[i % len(COLORS)]}"></span>{label}</span>'
+        for i, label in enumerate(labels))
+    return f'<div class="workbench-legend" style="font-size:12px;padding-left:70px">{items}</div>'
 
 
 class Dashboard:
-    """Progress bars per rank, curves of any logged scalar, and system measurements."""
+    """Progress bars per rank, curves of any logged scalar, and system measurements.
 
-    def __init__(self, store: MetricsStore, run_id: str) -> None:
+    A cell's dashboard (``first_record``: where the cell's records start) shows that cell
+    only and keeps its numbers once the cell ended: it is refreshed while its cell runs and
+    never after. The whole run's (``first_record=0``) is what ``%metrics`` shows.
+    """
+
+    def __init__(self, store: MetricsStore, run_id: str, first_record: int = 0, what: str = "") -> None:
         import ipywidgets as widgets
 
         self.store = store
         self.run_id = run_id
-        self._seen = 0
-        self._cell_start = 0
+        self.what = what or ("whole run" if first_record == 0 else "this cell")
+        self._seen = first_record
+        self._cell_start = first_record
         self._scalars: dict[str, dict[int, tuple[list, list]]] = defaultdict(dict)
         self._system: dict[str, dict[int, tuple[list, list]]] = defaultdict(dict)
         self._last_refresh = 0.0
@@ -92,13 +137,14 @@ class Dashboard:
         self.choice = widgets.Dropdown(description="scalar", options=[], layout=widgets.Layout(width="260px"))
         self.mode = widgets.ToggleButtons(options=["per rank", "mean of ranks"], value="per rank")
         self.scalar_plot = _Plot("", height="280px")
-        self.system_plots = {plot: _Plot(fields[-1][1]) for plot, fields in SYSTEM_PLOTS.items()}
+        self.system_plots = {plot: _Plot(f"{fields[-1][1]} ({fields[-1][2]})", y_label=fields[-1][2], robust=True)
+                             for plot, fields in SYSTEM_PLOTS.items()}
         self.choice.observe(lambda _change: self._draw_scalar(), "value")
         self.mode.observe(lambda _change: self._draw_scalar(), "value")
-        grid = widgets.GridBox([p.figure for p in self.system_plots.values()],
+        grid = widgets.GridBox([p.widget for p in self.system_plots.values()],
                                layout=widgets.Layout(grid_template_columns="1fr 1fr"))
         self.widget = widgets.VBox([self.header, self.progress, widgets.HBox([self.choice, self.mode]),
-                                    self.scalar_plot.figure, grid])
+                                    self.scalar_plot.widget, grid])
         self.refresh(force=True)
 
     def cell_started(self, first_record: int) -> None:
@@ -122,9 +168,10 @@ class Dashboard:
             self.choice.value = keep if keep in names else (names[0] if names else None)
         self._draw_scalar()
         for plot, fields in SYSTEM_PLOTS.items():
-            field, title, scale = next((f for f in fields if f[0] in self._system), fields[-1])
+            field, title, unit, scale = next((f for f in fields if f[0] in self._system), fields[-1])
             series = self._system.get(field, {})
-            self.system_plots[plot].figure.title = title
+            self.system_plots[plot].title = f"{title} ({unit})"
+            self.system_plots[plot].figure.axes[1].label = unit
             self.system_plots[plot].show({f"rank {r}": (xs, [y * scale for y in ys])
                                           for r, (xs, ys) in sorted(series.items())})
         self._draw_progress()
@@ -138,7 +185,8 @@ class Dashboard:
 
     def _draw_scalar(self) -> None:
         name = self.choice.value
-        self.scalar_plot.figure.title = name or "nothing logged yet: call workbench.log(loss=...) in a cell"
+        self.scalar_plot.title = self.scalar_plot.figure.title = (
+            name or "nothing logged yet: call workbench.log(loss=...) in a cell")
         if name is None:
             self.scalar_plot.show({})
             return
@@ -174,8 +222,8 @@ class Dashboard:
             bar.bar_style = "success" if total and done >= total else "info"
         steps = sum(len(r) for r in cell.values())
         dropped = self.store.dropped()
-        self.header.value = (f"<b>workbench</b> run <code>{self.run_id}</code> · {len(cell)} ranks · "
-                             f"{steps} records this cell" + (f" · <b>{dropped} dropped</b>" if dropped else ""))
+        self.header.value = (f"<b>workbench</b> run <code>{self.run_id}</code> · {self.what} · {len(cell)} ranks · "
+                             f"{steps} records" + (f" · <b>{dropped} dropped</b>" if dropped else ""))
 
     def curve(self, name: str, rank: int) -> tuple[list, list]:
         """The (steps, values) the scalar plot shows for ``rank`` (for tests and scripts)."""

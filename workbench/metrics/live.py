@@ -14,6 +14,7 @@ import sys
 from ..output import in_kernel
 from .collector import MetricsCollector
 from .summary import summary_text
+from .tensorboard_sink import TensorBoardSink, tensorboard_available
 from .wandb_sink import WandbSink, wandb_enabled
 
 ARRIVAL_WAIT_S = 3.0  # a cell waits this long at most for its last records
@@ -21,12 +22,15 @@ ARRIVAL_WAIT_S = 3.0  # a cell waits this long at most for its last records
 
 class FleetMetrics:
     def __init__(self, run_id: str, run_dir: str, runtime_dir: str, world_size, config: dict,
-                 wandb: bool | None = None) -> None:
+                 wandb: bool | None = None, tensorboard: bool | None = None) -> None:
         self.run_id = run_id
         self.run_dir = run_dir
         self.wandb = WandbSink(run_dir, run_id, world_size, config) if (
             wandb_enabled() if wandb is None else wandb) else None
-        self.collector = MetricsCollector(run_dir, runtime_dir, [self.wandb] if self.wandb else [])
+        self.tensorboard = TensorBoardSink(run_dir, world_size) if (
+            tensorboard_available() if tensorboard is None else tensorboard) else None
+        sinks = [sink for sink in (self.wandb, self.tensorboard) if sink is not None]
+        self.collector = MetricsCollector(run_dir, runtime_dir, sinks)
         self._dashboard = None
 
     @property
@@ -42,17 +46,18 @@ class FleetMetrics:
         return self.collector.sinks[0].path
 
     def dashboard(self):
-        """The run's dashboard widget holder (created on first use)."""
+        """The whole run's dashboard (``%metrics``; created on first use, live while cells run)."""
         if self._dashboard is None:
             from .dashboard import Dashboard
 
             self._dashboard = Dashboard(self.store, self.run_id)
         return self._dashboard
 
-    def display_dashboard(self) -> None:
+    def display_dashboard(self, dashboard=None) -> None:
+        """Show ``dashboard`` (default: the whole run's) under the current cell."""
         from IPython.display import display
 
-        dashboard = self.dashboard()
+        dashboard = dashboard or self.dashboard()
         dashboard.refresh(force=True)
         display({
             "application/vnd.jupyter.widget-view+json": {
@@ -73,24 +78,30 @@ class FleetMetrics:
 
 
 class CellWatch:
+    """One cell's metrics: its own dashboard (shown at its first record, refreshed while it
+    runs, then left as it ended), and the whole run's one kept live if ``%metrics`` showed it."""
+
     def __init__(self, metrics: FleetMetrics, show_output: bool) -> None:
         self.metrics = metrics
         self.first = len(metrics.store)
         self.show_output = show_output
         self.live = show_output and in_kernel()
-        self.shown = False
+        self.dashboard = None
         if metrics._dashboard is not None:
             metrics._dashboard.cell_started(self.first)
 
     def poll(self) -> None:
-        """While the cell runs (kernel's main thread): show and refresh the dashboard."""
+        """While the cell runs (kernel's main thread): show and refresh the dashboards."""
         if not self.live or len(self.metrics.store) <= self.first:
             return
-        if not self.shown:
-            self.metrics.dashboard().cell_started(self.first)
-            self.metrics.display_dashboard()
-            self.shown = True
-        self.metrics.dashboard().refresh()
+        if self.dashboard is None:
+            from .dashboard import Dashboard
+
+            self.dashboard = Dashboard(self.metrics.store, self.metrics.run_id, first_record=self.first)
+            self.metrics.display_dashboard(self.dashboard)
+        self.dashboard.refresh()
+        if self.metrics._dashboard is not None:
+            self.metrics._dashboard.refresh()
 
     def finish(self, replies: dict[int, dict]) -> None:
         """After every rank replied: wait for its last records, flush sinks, summarise."""
@@ -112,8 +123,9 @@ class CellWatch:
         if len(self.metrics.store) <= self.first:
             return
         if self.live:
-            if not self.shown:
-                self.poll()  # shows it (records arrived after the last poll)
-            self.metrics.dashboard().refresh(force=True)
+            self.poll()  # shows it, if records arrived after the last poll
+            self.dashboard.refresh(force=True)
+            if self.metrics._dashboard is not None:
+                self.metrics._dashboard.refresh(force=True)
         if self.show_output:
             print(self.metrics.summary(self.first))

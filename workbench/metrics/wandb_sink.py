@@ -16,7 +16,8 @@ so nothing ever prompts for a login. ``WANDB_MODE``, ``WANDB_PROJECT``,
 from __future__ import annotations
 
 import os
-import statistics
+
+from .step_rows import StepRows
 
 STEP_KEY = "workbench/step"
 
@@ -54,10 +55,9 @@ class WandbSink:
     def __init__(self, run_dir: str, run_id: str, world_size, config: dict) -> None:
         self.run_dir = run_dir
         self.run_id = run_id
-        self.world_size = world_size  # a callable: the fleet's size can change
         self.config = config
         self.run = None
-        self._pending: dict[int, dict[int, dict]] = {}  # step -> rank -> values
+        self.rows = StepRows(world_size)
 
     def _start(self):
         import wandb
@@ -81,30 +81,15 @@ class WandbSink:
     def write(self, records) -> None:
         if self.run is None:
             self._start()
-        world = self.world_size()
-        for record in records:
-            values = {**record.scalars, **record.system}
-            ranks = self._pending.setdefault(record.step, {})
-            ranks[record.rank] = values
-            if len(ranks) >= world:
-                self._log(record.step)
+        self._log(self.rows.add(records))
 
-    def _log(self, step: int) -> None:
-        ranks = self._pending.pop(step)
-        row = {STEP_KEY: step}
-        names = {name for values in ranks.values() for name in values}
-        for name in sorted(names):
-            present = [values[name] for values in ranks.values() if name in values]
-            row[name] = statistics.fmean(present)
-            for rank, values in ranks.items():
-                if name in values:
-                    row[f"rank{rank}/{name}"] = values[name]
-        self.run.log(row)
+    def _log(self, rows) -> None:
+        for step, row in rows:
+            self.run.log({STEP_KEY: step, **row})
 
     def flush(self) -> None:
         """End of a cell: steps that not every rank logged are written as they are."""
-        for step in sorted(self._pending):
-            self._log(step)
+        self._log(self.rows.drain())
         self._make_private()
 
     def close(self) -> None:
