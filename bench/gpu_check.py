@@ -4,7 +4,7 @@
 1. a 1-rank fleet on the GPU: nccl, cuda:0, accelerate's distributed type;
 2. bf16 and fp16 (accelerate's GradScaler) training steps with DDP;
 3. per-block FSDP2 on CUDA: unit count and ``max_memory_allocated`` during a forward;
-4. CUDA memory in the metrics (``cuda_max_mb``);
+4. CUDA memory in the metrics (``cuda_max_mb``; NVML's utilisation and memory with nvidia-ml-py);
 5. ``--memory-limit`` as a fraction of the GPU's memory: an allocation past it fails on the rank;
 6. a checkpoint round trip (save, change the weights, restore, compare);
 7. the LLM notebook's model (bench/llm_train.py) for 50 steps: tokens/s and MFU.
@@ -84,7 +84,12 @@ def fsdp(fleet):
 @check("cuda_memory_in_metrics")
 def cuda_metrics(fleet):
     fleet.run(TRAIN, show_output=False)
-    return max(r.system.get("cuda_max_mb", 0) for r in fleet.metrics.store.since(0))
+    records = fleet.metrics.store.since(0)
+    return {"cuda_max_mb": max(r.system.get("cuda_max_mb", 0) for r in records),
+            # NVML (nvidia-ml-py installed): None here means the probe found no NVML
+            "gpu_util_pct": max((r.system["gpu_util_pct"] for r in records if "gpu_util_pct" in r.system), default=None),
+            "gpu_mem_used_mb": max((r.system["gpu_mem_used_mb"] for r in records if "gpu_mem_used_mb" in r.system),
+                                   default=None)}
 
 
 @check("checkpoint_round_trip")

@@ -386,3 +386,52 @@ def test_the_axis_top_leaves_out_a_warm_up_outlier():
     assert 7.3 < top < 30
     assert steady_top(steady) >= 7.3  # nothing clipped without outliers
     assert steady_top([1.0, 2.0]) is None  # too few points: the axis fits them all
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda on a GPU (none exists on the CI machines): NVML's answers."""
+
+    def __init__(self, fail=False):
+        self.calls, self.fail = 0, fail
+
+    def current_device(self):
+        return 0
+
+    def utilization(self, device):
+        self.calls += 1
+        if self.fail:
+            raise ModuleNotFoundError("nvidia-ml-py does not seem to be installed")
+        return 87
+
+    def device_memory_used(self, device):
+        return 3 * 2**30
+
+
+def test_gpu_utilisation_and_memory_from_nvml_are_sampled_once_a_second_and_shown():
+    from workbench.metrics.gpu import GpuProbe
+    from workbench.metrics.store import Record
+    from workbench.metrics.summary import summary_text
+
+    cuda, probe = _FakeCuda(), GpuProbe()
+    assert probe.sample(cuda) == {"gpu_util_pct": 87.0, "gpu_mem_used_mb": 3072.0}
+    assert probe.sample(cuda)["gpu_util_pct"] == 87.0 and cuda.calls == 1  # cached within the second
+    broken, off = _FakeCuda(fail=True), GpuProbe()
+    assert off.sample(broken) == {} and off.off and off.sample(broken) == {} and broken.calls == 1
+    records = [Record(0.0, 0.0, r, s, {}, {"step_time_s": 0.01, "gpu_util_pct": 80.0 + r, "gpu_mem_used_mb": 2048.0})
+               for s in range(3) for r in (0, 1)]
+    text = summary_text(records, "run")
+    assert "GPU util %" in text and "GPU mem MiB" in text and "81" in text
+    dashboard = Dashboard(_StoreOf(records), "run")
+    assert dashboard.system_plots["gpu"].widget.layout.display is None
+    assert Dashboard(_StoreOf([]), "run").system_plots["gpu"].widget.layout.display == "none"
+
+
+class _StoreOf:
+    def __init__(self, records):
+        self.records, self.streams = records, {}
+
+    def since(self, start):
+        return self.records[start:]
+
+    def dropped(self):
+        return 0

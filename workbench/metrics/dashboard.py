@@ -25,7 +25,9 @@ SYSTEM_PLOTS = {  # plot -> (system field, title, unit, scale), the first field 
     "throughput": [("tokens_per_s", "throughput", "tokens/s", 1.0), ("samples_per_s", "throughput", "samples/s", 1.0)],
     "comm": [("comm_s", "communication per step", "ms", 1e3)],
     "memory": [("cuda_max_mb", "CUDA max allocated", "MiB", 1.0), ("rss_mb", "memory (RSS)", "MiB", 1.0)],
+    "gpu": [("gpu_util_pct", "GPU utilisation (NVML)", "%", 1.0)],
 }
+OPTIONAL_PLOTS = ("gpu",)  # shown only once a rank recorded the field (NVML on a GPU)
 
 
 def downsample(xs: list, ys: list, limit: int = MAX_POINTS) -> tuple[list, list]:
@@ -170,6 +172,8 @@ class Dashboard:
         for plot, fields in SYSTEM_PLOTS.items():
             field, title, unit, scale = next((f for f in fields if f[0] in self._system), fields[-1])
             series = self._system.get(field, {})
+            if plot in OPTIONAL_PLOTS:
+                self.system_plots[plot].widget.layout.display = None if field in self._system else "none"
             self.system_plots[plot].title = f"{title} ({unit})"
             self.system_plots[plot].figure.axes[1].label = unit
             self.system_plots[plot].show({f"rank {r}": (xs, [y * scale for y in ys])

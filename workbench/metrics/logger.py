@@ -22,6 +22,7 @@ import threading
 import time
 from numbers import Number
 
+from .gpu import GpuProbe
 from .instrument import CommClock
 
 MAX_BUFFERED = 50_000  # records kept while the kernel is not reading
@@ -284,6 +285,7 @@ def _memory() -> dict:
     cuda = getattr(sys.modules.get("torch"), "cuda", None)  # torch may be half-imported by the main thread
     if cuda is not None and cuda.is_available() and cuda.is_initialized():
         memory["cuda_max_mb"] = cuda.max_memory_allocated() / 2**20
+        memory.update(_GPU.sample(cuda))
     return memory
 
 
@@ -298,6 +300,7 @@ def _this_process():
 
 
 _PROCESS = None
+_GPU = GpuProbe()
 LOGGER = MetricsLogger()
 
 

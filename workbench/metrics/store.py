@@ -6,7 +6,8 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-SYSTEM_FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "comm_s", "rss_mb", "cuda_max_mb")
+SYSTEM_FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "comm_s", "rss_mb", "cuda_max_mb",
+                 "gpu_util_pct", "gpu_mem_used_mb")
 
 
 def json_safe(value):

@@ -67,6 +67,7 @@ def summary_text(records: list[Record], run_id: str, dropped: int = 0) -> str:
         lines += _table(["scalar", "rank", "last", "min", "mean"], rows)
     system_rows = []
     llm = any("tokens_per_s" in r.system for r in records)  # language models: tokens/s and MFU too
+    gpu = any("gpu_util_pct" in r.system for r in records)  # NVML: utilisation and device memory
     for rank, recs in ranks.items():
         def mean_of(key, scale=1.0, recs=recs):
             values = [r.system[key] for r in recs if key in r.system]
@@ -75,7 +76,10 @@ def summary_text(records: list[Record], run_id: str, dropped: int = 0) -> str:
         system_rows.append([
             str(rank), len(recs), steps_per_second(recs), mean_of("step_time_s", 1e3), mean_of("comm_s", 1e3),
             mean_of("samples_per_s"), max((r.system.get("rss_mb", 0) for r in recs), default=None),
-        ] + ([mean_of("tokens_per_s"), mean_of("mfu", 100.0)] if llm else []))
+        ] + ([mean_of("tokens_per_s"), mean_of("mfu", 100.0)] if llm else [])
+          + ([mean_of("gpu_util_pct"), max((r.system.get("gpu_mem_used_mb", 0) for r in recs), default=None)]
+             if gpu else []))
     lines += _table(["rank", "records", "steps/s", "step ms", "comm ms", "samples/s", "peak rss MiB"]
-                    + (["tokens/s", "MFU %"] if llm else []), system_rows)
+                    + (["tokens/s", "MFU %"] if llm else []) + (["GPU util %", "GPU mem MiB"] if gpu else []),
+                    system_rows)
     return "\n".join(lines)
