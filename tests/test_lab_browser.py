@@ -1,7 +1,11 @@
 """The lab panel in a real browser: Debian's chromium, driven by playwright, against a
-JupyterLab server started here. The quickstart notebook runs in the page; the panel
-shows its fleet, saves and restores a checkpoint, scales 2 -> 3, survives a reload,
-sees an engine die, and stops the fleet. Screenshots go to tests/artifacts/."""
+JupyterLab server started here, with the quickstart notebook in a sub-folder (the binder
+layout: notebooks/ under the server root; no WORKBENCH_RUNS_DIR, so the kernel writes
+notebooks/workbench-runs/). The panel opens from the command palette, shows the fleet
+with charts (axes, legends) and each rank's log, saves and restores a checkpoint, scales
+2 -> 3 with its phases shown live, survives a reload, interrupts a running cell, sees an
+engine die and recovers it, stops the fleet, and finds the run on disk. Screenshots go to
+tests/artifacts/."""
 
 from __future__ import annotations
 
@@ -30,12 +34,14 @@ pytestmark = pytest.mark.timeout(600)
 def lab(tmp_path_factory):
     """JupyterLab on localhost with the installed workbench panel; a copy of the quickstart."""
     root = tmp_path_factory.mktemp("lab-root")
-    shutil.copy(REPO / "notebooks" / "01_quickstart.ipynb", root)
+    (root / "notebooks").mkdir()
+    shutil.copy(REPO / "notebooks" / "01_quickstart.ipynb", root / "notebooks")
     settings = root / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     port, token = free_port(), secrets.token_hex(16)
-    env = {**os.environ, "WORKBENCH_RUNS_DIR": str(root / "workbench-runs"), "WANDB_MODE": "disabled"}
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    env.pop("WORKBENCH_RUNS_DIR", None)  # runs go next to the notebook, where the panel must find them
     log = open(root / "lab.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
@@ -63,7 +69,7 @@ def page(lab):
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1500, "height": 1000})
-        page.goto(f"{url}/lab/tree/01_quickstart.ipynb?token={token}")
+        page.goto(f"{url}/lab/tree/notebooks/01_quickstart.ipynb?token={token}")
         yield page
         browser.close()
 
@@ -104,7 +110,16 @@ def _panel_walkthrough(lab, page):
     _url, _token, root = lab
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
-    page.evaluate("window.jupyterapp.commands.execute('workbench:open-panel')")
+    # the panel's command is in the command palette
+    page.locator(".lm-MenuBar-itemLabel", has_text="View").click()  # the command palette, as a user opens it
+    page.locator(".lm-Menu-itemLabel", has_text="Activate Command Palette").click()
+    palette = page.locator(".lm-CommandPalette-input:visible")
+    palette.wait_for(timeout=10_000)
+    _shot(page, "0-palette")
+    palette.press_sequentially("workbench fleet")
+    item = page.locator(".lm-CommandPalette-item", has_text="Show the workbench fleet panel")
+    item.wait_for(state="visible", timeout=10_000)
+    item.click()
     panel = page.locator("#workbench-panel")
     panel.wait_for(state="visible", timeout=30_000)
     # the kernel has not loaded workbench yet: the panel says so
@@ -120,10 +135,24 @@ def _panel_walkthrough(lab, page):
     page.wait_for_function("document.body.innerText.includes('FSDP  loss')", timeout=240_000)
     page.wait_for_function(
         "Number(document.querySelector('.wb-chart-loss svg')?.dataset.points || 0) >= 160", timeout=30_000)
-    # a line per rank in both curves
+    # a line per rank in both curves, with axes and a legend outside the data
     assert panel.locator(".wb-chart-loss polyline").count() == 2
     assert panel.locator(".wb-chart-throughput polyline").count() == 2
+    assert panel.locator(".wb-chart-loss text.wb-chart-tick").count() >= 5  # 3 y ticks, first and last step
+    assert panel.locator(".wb-chart-loss .wb-legend-item").all_text_contents()[0].startswith("rank 0: ")
+    assert panel.locator(".wb-chart-throughput .wb-legend-item").count() == 2
     assert "2 ranks (gloo)" in panel.locator(".wb-status").text_content()
+    # disabled buttons look disabled (nothing to recover, nothing to interrupt)
+    recover = panel.locator("button[data-action=recover]")
+    assert recover.is_disabled()
+    assert float(recover.evaluate("b => getComputedStyle(b).opacity")) < 0.6
+    # each rank's output of the run, read from the run folder next to the notebook
+    page.wait_for_function("Number(document.querySelector('.wb-log-choice')?.dataset.count || 0) >= 2",
+                           timeout=30_000)
+    assert panel.locator(".wb-log-choice option").all_text_contents()[:2] == ["rank-0", "rank-1"]
+    page.wait_for_function("document.querySelector('.wb-log').textContent.includes('epoch 4: loss')",
+                           timeout=15_000)
+    assert "rank 0 of 2 on cpu" in panel.locator(".wb-log").text_content()
     _shot(page, "1-quickstart-2-ranks")
 
     # checkpoint save, then restore from its row
@@ -141,12 +170,21 @@ def _panel_walkthrough(lab, page):
                            timeout=60_000)
     assert f"restored checkpoint '{tag}' (step {step}) on 2 ranks" in _message(page)
 
-    # scale to 3 from the panel
+    # scale to 3 from the panel: its phases show in the message line while they run
+    page.evaluate("""() => {
+        const message = document.querySelector('.wb-message');
+        window.wbMessages = [];
+        new MutationObserver(() => window.wbMessages.push(message.textContent))
+            .observe(message, {childList: true, characterData: true, subtree: true});
+    }""")
     panel.locator(".wb-ranks").fill("3")
     panel.locator("button[data-action=scale]").click()
     engines = _wait_engines(page, 3, timeout_s=180)
     assert [row[0] for row in engines] == ["0", "1", "2"]
     assert "3 ranks (gloo)" in panel.locator(".wb-status").text_content()
+    page.wait_for_function("document.querySelector('.wb-message').textContent.includes('done in')", timeout=30_000)
+    seen = page.evaluate("window.wbMessages")
+    assert any("…" in text and "done in" not in text for text in seen), seen  # a phase while it ran
     _shot(page, "2-scaled-to-3")
 
     # a reload: the panel comes back with the same fleet and the run's curves
@@ -156,6 +194,23 @@ def _panel_walkthrough(lab, page):
     page.wait_for_function(
         "Number(document.querySelector('.wb-chart-loss svg')?.dataset.points || 0) >= 160", timeout=30_000)
     _shot(page, "3-after-reload")
+
+    # Interrupt stops a running cell on every rank; the fleet stays
+    page.evaluate("""() => {
+        const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+        window.wbLong = kernel.requestExecute({code: '%%distributed\\nimport time\\ntime.sleep(120)'});
+        window.wbLongReply = null;
+        window.wbLong.done.then(reply => { window.wbLongReply = reply.content; });
+    }""")
+    interrupt = panel.locator("button[data-action=interrupt]")
+    page.wait_for_function("!document.querySelector('button[data-action=interrupt]').disabled", timeout=10_000)
+    time.sleep(1.0)  # the ranks are in the cell
+    started = time.monotonic()
+    interrupt.click()
+    page.wait_for_function("window.wbLongReply !== null", timeout=30_000)
+    assert page.evaluate("window.wbLongReply.ename") == "KeyboardInterrupt"
+    assert time.monotonic() - started < 15
+    engines = _wait_engines(page, 3, timeout_s=30)
 
     # an engine killed from outside: the panel shows it dead within about a second
     pids = [int(row[4]) for row in engines]
@@ -168,6 +223,15 @@ def _panel_walkthrough(lab, page):
     assert seen_after < 2.0
     _shot(page, "4-engine-killed")
 
+    # Recover replaces the dead engine (enabled only now)
+    page.wait_for_function("!document.querySelector('button[data-action=recover]').disabled", timeout=10_000)
+    panel.locator("button[data-action=recover]").click()
+    engines = _wait_engines(page, 3, timeout_s=120)
+    assert int(engines[2][4]) != pids[2] and recover.is_disabled()
+    page.wait_for_function("document.querySelector('.wb-message').textContent.includes('recover')", timeout=30_000)
+    pids = [int(row[4]) for row in engines]
+    _shot(page, "4b-recovered")
+
     # stop from the panel: no engine is left
     panel.locator("button[data-action=stop]").click()
     page.wait_for_function("document.querySelector('.wb-status').dataset.running === 'false'", timeout=60_000)
@@ -177,7 +241,8 @@ def _panel_walkthrough(lab, page):
     # the run is listed from disk by the server routes, and its curves come back from there
     runs = panel.locator(".wb-runs button")
     runs.first.wait_for(timeout=15_000)
-    run_id = next((root / "workbench-runs").iterdir()).name
+    run_id = next((root / "notebooks" / "workbench-runs").iterdir()).name
+    assert not (root / "workbench-runs").exists()
     assert runs.first.get_attribute("data-run") == run_id
     runs.first.click()
     page.wait_for_function("document.querySelector('.wb-message').textContent.includes('from disk')",

@@ -4,11 +4,18 @@ Read-only JSON routes under ``<base_url>/workbench/api/``, all behind Jupyter's
 authentication (``tornado.web.authenticated`` on jupyter_server's
 ``APIHandler``: a request without a token or login gets 403):
 
-- ``runs``: the runs in the runs folder (``WORKBENCH_RUNS_DIR``, else
-  ``<server root>/workbench-runs``), newest first;
+- ``runs``: the runs in the runs folder, newest first;
 - ``runs/<id>/checkpoints``: complete checkpoints (tag, step, world size,
   strategy, size, created) and those still being written;
-- ``runs/<id>/metrics?since=N``: records of ``metrics.jsonl`` from line N.
+- ``runs/<id>/metrics?since=N``: records of ``metrics.jsonl`` from line N;
+- ``runs/<id>/logs``: the run's log files (``logs/rank-<N>.log``, ``engine-*.log``);
+  ``runs/<id>/logs/<name>``: the last ``LOG_TAIL_BYTES`` of one.
+
+The runs folder is ``WORKBENCH_RUNS_DIR`` if the server has it, else the
+``workbench-runs`` folder next to the notebook, where its kernel writes: every
+route takes ``?folder=<the notebook's folder, relative to the server root>``
+(the panel sends it; none means the server root). A folder that leaves the
+server root is refused.
 
 These serve what outlives a kernel (runs and checkpoints on disk). The live
 fleet (engines and their state) belongs to the kernel that owns it.
@@ -27,7 +34,9 @@ from .metrics.store import json_safe
 from .runs import RUNS_DIR_ENV
 
 MAX_RECORDS = 5000  # per metrics request
+LOG_TAIL_BYTES = 64 * 1024  # of one log file per request
 RUN_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+LOG_NAME = r"(?:rank|engine)-[A-Za-z0-9_.-]+\.log"
 
 try:  # only inside a Jupyter server
     from jupyter_server.base.handlers import APIHandler
@@ -39,7 +48,15 @@ except ImportError:  # pragma: no cover - the module is imported without jupyter
 class _RunsHandler(APIHandler):
     @property
     def runs_root(self) -> str:
-        return self.settings["workbench_runs_root"]
+        fixed = self.settings.get("workbench_runs_root")
+        if fixed:
+            return fixed
+        server_root = os.path.realpath(self.settings["workbench_server_root"])
+        folder = self.get_argument("folder", "").strip("/")
+        path = os.path.realpath(os.path.join(server_root, folder))
+        if path != server_root and not path.startswith(server_root + os.sep):
+            raise web.HTTPError(403, "folder is outside the server root")
+        return os.path.join(path, "workbench-runs")
 
     def run_dir(self, run_id: str) -> str:
         path = os.path.join(self.runs_root, run_id)
@@ -111,10 +128,40 @@ class MetricsHandler(_RunsHandler):
         self.send({"run": run_id, "records": records, "skipped": skipped, "next": max(since, number + 1)})
 
 
+class LogsHandler(_RunsHandler):
+    @web.authenticated
+    def get(self, run_id: str, name: str | None = None):
+        folder = os.path.join(self.run_dir(run_id), "logs")
+        if name is None:
+            files = []
+            if os.path.isdir(folder):
+                files = [{"name": n, "size": os.path.getsize(os.path.join(folder, n))}
+                         for n in os.listdir(folder) if re.fullmatch(LOG_NAME, n)]
+            files.sort(key=lambda f: _log_order(f["name"]))
+            self.send({"run": run_id, "logs": files})
+            return
+        path = os.path.join(folder, name)
+        if not re.fullmatch(LOG_NAME, name) or not os.path.isfile(path) or not self.inside_root(path):
+            raise web.HTTPError(404, f"no log {name!r}")
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - LOG_TAIL_BYTES))
+            text = f.read().decode("utf-8", errors="replace")
+        self.send({"run": run_id, "name": name, "size": size, "text": text, "cut": size > LOG_TAIL_BYTES})
+
+
+def _log_order(name: str) -> tuple:
+    """rank-0, rank-1, ..., rank-10, then the engines' own logs."""
+    number = re.fullmatch(r"rank-(\d+)\.log", name)
+    return (0, int(number.group(1)), "") if number else (1, 0, name)
+
+
 HANDLERS = [
     (r"workbench/api/runs", RunsHandler),
     (rf"workbench/api/runs/({RUN_ID})/checkpoints", CheckpointsHandler),
     (rf"workbench/api/runs/({RUN_ID})/metrics", MetricsHandler),
+    (rf"workbench/api/runs/({RUN_ID})/logs", LogsHandler),
+    (rf"workbench/api/runs/({RUN_ID})/logs/({LOG_NAME})", LogsHandler),
 ]
 
 
@@ -124,8 +171,10 @@ def _jupyter_server_extension_points():
 
 def _load_jupyter_server_extension(serverapp) -> None:
     web_app = serverapp.web_app
-    root = os.path.abspath(os.environ.get(RUNS_DIR_ENV) or os.path.join(serverapp.root_dir, "workbench-runs"))
-    web_app.settings["workbench_runs_root"] = root
+    fixed = os.environ.get(RUNS_DIR_ENV)
+    web_app.settings["workbench_runs_root"] = os.path.abspath(fixed) if fixed else None
+    web_app.settings["workbench_server_root"] = os.path.abspath(serverapp.root_dir)
     base = web_app.settings["base_url"]
     web_app.add_handlers(".*$", [(url_path_join(base, pattern), handler) for pattern, handler in HANDLERS])
-    serverapp.log.info(f"workbench: lab panel routes for runs in {root}")
+    where = os.path.abspath(fixed) if fixed else "workbench-runs next to each notebook"
+    serverapp.log.info(f"workbench: lab panel routes for runs in {where}")

@@ -53,7 +53,8 @@ def snapshot() -> dict:
         streams = fleet.metrics.store.streams if fleet.metrics else {}
         state.update(world_size=fleet.world_size, backend=fleet.backend, run_dir=fleet.run_dir,
                      engines=[_engine_row(m, streams.get(m.rank)) for m in list(fleet.members)],
-                     spares={"ready": len(fleet.spares), "starting": len(fleet._pending_spares)})
+                     spares={"ready": len(fleet.spares), "starting": len(fleet._pending_spares)},
+                     needs_recover=bool(fleet.fresh_ranks))
     if metrics is not None:
         folder = layout.checkpoints_dir(metrics.run_dir)
         for entry in layout.list_checkpoints(folder, clean=False):

@@ -46,7 +46,30 @@ function format(value: number): string {
   return value.toFixed(abs < 10 ? 3 : 1);
 }
 
-/** Replace the content of `host` with a chart of `series`. */
+function svgText(x: number, y: number, text: string, anchor: string): SVGTextElement {
+  const node = document.createElementNS(SVG, 'text');
+  node.setAttribute('x', String(x));
+  node.setAttribute('y', String(y));
+  node.setAttribute('text-anchor', anchor);
+  node.setAttribute('class', 'wb-chart-tick');
+  node.textContent = text;
+  return node;
+}
+
+function svgLine(x1: number, y1: number, x2: number, y2: number, className: string): SVGLineElement {
+  const node = document.createElementNS(SVG, 'line');
+  for (const [name, value] of [['x1', x1], ['y1', y1], ['x2', x2], ['y2', y2]] as [string, number][]) {
+    node.setAttribute(name, value.toFixed(1));
+  }
+  node.setAttribute('class', className);
+  return node;
+}
+
+/**
+ * Replace the content of `host` with a chart of `series`: a line per rank, a y axis
+ * with three ticks (the unit is in the title), the step range on the x axis, and a
+ * legend below with each rank's last value.
+ */
 export function drawChart(host: HTMLElement, title: string, series: Series): void {
   host.textContent = '';
   const heading = document.createElement('div');
@@ -68,18 +91,27 @@ export function drawChart(host: HTMLElement, title: string, series: Series): voi
       ymax = Math.max(ymax, y);
     })
   );
-  const last: string[] = [];
-  series.byRank.forEach((points, rank) => last.push(`r${rank} ${format(points[points.length - 1][1])}`));
-  heading.textContent = `${title} (${last.join(', ')})`;
-  const width = 260,
-    height = 90,
-    pad = 2;
-  const sx = (x: number) => pad + ((x - xmin) / (xmax - xmin || 1)) * (width - 2 * pad);
-  const sy = (y: number) => height - pad - ((y - ymin) / (ymax - ymin || 1)) * (height - 2 * pad);
+  heading.textContent = title;
+  const width = 300,
+    height = 110,
+    left = 46,
+    right = 6,
+    top = 6,
+    bottom = 16;
+  const sx = (x: number) => left + ((x - xmin) / (xmax - xmin || 1)) * (width - left - right);
+  const sy = (y: number) => height - bottom - ((y - ymin) / (ymax - ymin || 1)) * (height - top - bottom);
   const svg = document.createElementNS(SVG, 'svg');
   svg.setAttribute('viewBox', `0 0 ${width} ${height}`);
   svg.setAttribute('class', 'wb-chart');
   svg.setAttribute('data-points', String(series.size));
+  for (const y of [ymin, (ymin + ymax) / 2, ymax]) {
+    svg.appendChild(svgLine(left, sy(y), width - right, sy(y), 'wb-chart-grid'));
+    svg.appendChild(svgText(left - 4, sy(y) + 3, format(y), 'end'));
+  }
+  svg.appendChild(svgLine(left, top, left, height - bottom, 'wb-chart-axis-line'));
+  svg.appendChild(svgLine(left, height - bottom, width - right, height - bottom, 'wb-chart-axis-line'));
+  svg.appendChild(svgText(left, height - 3, `step ${xmin}`, 'start'));
+  svg.appendChild(svgText(width - right, height - 3, String(xmax), 'end'));
   series.byRank.forEach((points, rank) => {
     const line = document.createElementNS(SVG, 'polyline');
     line.setAttribute('points', points.map(([x, y]) => `${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join(' '));
@@ -88,8 +120,19 @@ export function drawChart(host: HTMLElement, title: string, series: Series): voi
     svg.appendChild(line);
   });
   host.appendChild(svg);
-  const axis = document.createElement('div');
-  axis.className = 'wb-chart-axis';
-  axis.textContent = `step ${xmin}–${xmax} · ${format(ymin)} – ${format(ymax)}`;
-  host.appendChild(axis);
+  const legend = document.createElement('div');
+  legend.className = 'wb-legend';
+  [...series.byRank.keys()].sort((a, b) => a - b).forEach(rank => {
+    const points = series.byRank.get(rank)!;
+    const item = document.createElement('span');
+    item.className = 'wb-legend-item';
+    item.dataset.rank = String(rank);
+    const swatch = document.createElement('span');
+    swatch.className = 'wb-legend-swatch';
+    swatch.style.background = COLORS[rank % COLORS.length];
+    item.appendChild(swatch);
+    item.appendChild(document.createTextNode(`rank ${rank}: ${format(points[points.length - 1][1])}`));
+    legend.appendChild(item);
+  });
+  host.appendChild(legend);
 }

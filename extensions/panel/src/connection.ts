@@ -60,6 +60,11 @@ export class FleetConnection {
     return this._notebook;
   }
 
+  /** The notebook's kernel is running something (a cell, or a command the panel sent). */
+  get kernelBusy(): boolean {
+    return this._notebook?.sessionContext.session?.kernel?.status === 'busy';
+  }
+
   /** A cell of the notebook is running: a command waits until it finishes. */
   get cellRunning(): boolean {
     const cells = this._notebook?.content.widgets ?? [];
@@ -69,25 +74,57 @@ export class FleetConnection {
   /**
    * Run magics in the notebook's kernel, as if typed in a cell (on its main
    * shell, so after a cell that is running), without adding to the notebook.
-   * Resolves with what they printed and whether they succeeded.
+   * `onOutput` gets what they printed so far, as it arrives (progress lines are
+   * display updates: each replaces its earlier text). Resolves with all of it and
+   * whether they succeeded.
    */
-  async execute(code: string): Promise<{ ok: boolean; output: string }> {
+  async execute(code: string, onOutput?: (text: string) => void): Promise<{ ok: boolean; output: string }> {
     const kernel = this._notebook?.sessionContext.session?.kernel;
     if (!kernel) {
       throw new Error('this notebook has no kernel');
     }
     const parts: string[] = [];
+    const displays = new Map<string, number>(); // display id -> its index in parts
+    const text = () => parts.join('').replace(/\r/g, '\n').trim();
     const future = kernel.requestExecute({ code, silent: false, store_history: false });
     future.onIOPub = msg => {
       const content = msg.content as any;
-      if (msg.header.msg_type === 'stream') {
+      const type = msg.header.msg_type;
+      if (type === 'stream') {
         parts.push(content.text);
-      } else if (msg.header.msg_type === 'error') {
-        parts.push(`${content.ename}: ${content.evalue}`);
+      } else if (type === 'error') {
+        parts.push(`${content.ename}: ${content.evalue}\n`);
+      } else if (type === 'display_data' || type === 'update_display_data') {
+        const plain = content.data?.['text/plain'];
+        if (typeof plain !== 'string') {
+          return;
+        }
+        const id = content.transient?.display_id;
+        const index = id !== undefined ? displays.get(id) : undefined;
+        if (index !== undefined) {
+          parts[index] = plain + '\n';
+        } else if (type === 'display_data') {
+          if (id !== undefined) {
+            displays.set(id, parts.length);
+          }
+          parts.push(plain + '\n');
+        }
+      } else {
+        return;
       }
+      onOutput?.(text());
     };
     const reply = await future.done;
-    return { ok: reply.content.status === 'ok', output: parts.join('').replace(/\r/g, '\n').trim() };
+    return { ok: reply.content.status === 'ok', output: text() };
+  }
+
+  /** Interrupt the notebook's kernel (the cell that runs stops on every rank). */
+  async interrupt(): Promise<void> {
+    const kernel = this._notebook?.sessionContext.session?.kernel;
+    if (!kernel) {
+      throw new Error('this notebook has no kernel');
+    }
+    await kernel.interrupt();
   }
 
   /** Open the comm if it is not open (e.g. after a command loaded workbench). */

@@ -3,6 +3,7 @@
  */
 
 import { ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { ICommandPalette } from '@jupyterlab/apputils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { LabIcon } from '@jupyterlab/ui-components';
 
@@ -21,8 +22,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'Side panel for a workbench fleet: engines, live metrics, checkpoints',
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [ILayoutRestorer],
-  activate: (app: JupyterFrontEnd, tracker: INotebookTracker, restorer: ILayoutRestorer | null) => {
+  optional: [ILayoutRestorer, ICommandPalette],
+  activate: (
+    app: JupyterFrontEnd,
+    tracker: INotebookTracker,
+    restorer: ILayoutRestorer | null,
+    palette: ICommandPalette | null
+  ) => {
     const panel = new WorkbenchPanel(tracker);
     panel.title.icon = ICON;
     app.shell.add(panel, 'right', { rank: 600 });
@@ -33,6 +39,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       label: 'Show the workbench fleet panel',
       execute: () => app.shell.activateById(panel.id)
     });
+    palette?.addItem({ command: 'workbench:open-panel', category: 'workbench' });
   }
 };
 

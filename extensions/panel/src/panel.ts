@@ -3,16 +3,17 @@
  * throughput curves, checkpoints, and buttons that run %fleet / %checkpoint in
  * that notebook's kernel. Without a live fleet it lists the runs on disk
  * (served by the workbench server routes) and shows a chosen run's curves and
- * checkpoints.
+ * checkpoints, and each rank's log of that run.
  */
 
+import { PathExt } from '@jupyterlab/coreutils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { Widget } from '@lumino/widgets';
 
 import { drawChart, Series } from './chart';
 import { ConnectionStatus, FleetConnection } from './connection';
 import { ICheckpoint, IFleetState, KernelMessage, Point } from './protocol';
-import { fetchCheckpoints, fetchMetrics, fetchRuns } from './server';
+import { fetchCheckpoints, fetchLog, fetchLogs, fetchMetrics, fetchRuns } from './server';
 
 const STATUS_TEXT: Record<ConnectionStatus, string> = {
   'no-notebook': 'Open a notebook to see its fleet.',
@@ -63,6 +64,8 @@ export class WorkbenchPanel extends Widget {
   private _pending = new Set<string>(); // commands sent to the kernel, until they finish
   private _redraw = 0;
   private _runsTimer = 0;
+  private _buttonsTimer = 0;
+  private _runsFolder: string | null = null; // the notebook folder whose runs are listed
 
   private _status = element('div', 'wb-status');
   private _ranks = element('input', 'wb-ranks');
@@ -74,6 +77,8 @@ export class WorkbenchPanel extends Widget {
   private _throughputChart = element('div', 'wb-chart-box wb-chart-throughput');
   private _checkpoints = element('table', 'wb-table wb-checkpoints');
   private _runsBox = element('div', 'wb-runs');
+  private _logChoice = element('select', 'wb-log-choice');
+  private _log = element('pre', 'wb-log');
 
   constructor(tracker: INotebookTracker) {
     super();
@@ -83,13 +88,25 @@ export class WorkbenchPanel extends Widget {
     this._build();
     this._connection = new FleetConnection(tracker);
     this._connection.messages.connect((_, msg) => this._onMessage(msg));
-    this._connection.statusChanged.connect(() => this._render());
+    this._connection.statusChanged.connect(() => {
+      this._render();
+      if (this._folder() !== this._runsFolder) {
+        void this._refreshRuns();
+      }
+    });
     this._render();
   }
 
   dispose(): void {
     window.clearInterval(this._runsTimer);
+    window.clearInterval(this._buttonsTimer);
     super.dispose();
+  }
+
+  /** The active notebook's folder (relative to the server root): its kernel writes workbench-runs/ there. */
+  private _folder(): string {
+    const path = this._connection.notebook?.context.path;
+    return path ? PathExt.dirname(path) : '';
   }
 
   private _build(): void {
@@ -103,13 +120,16 @@ export class WorkbenchPanel extends Widget {
     this._ranks.value = '2';
     label.appendChild(this._ranks);
     controls.appendChild(label);
-    for (const [action, text] of [
-      ['start', 'Start'],
-      ['scale', 'Scale'],
-      ['stop', 'Stop']
+    for (const [action, text, tip] of [
+      ['start', 'Start', '%fleet start -n RANKS'],
+      ['scale', 'Scale', '%fleet scale RANKS (keeps the training state)'],
+      ['interrupt', 'Interrupt', 'interrupt the kernel: the running cell stops on every rank'],
+      ['recover', 'Recover', '%fleet recover: replace dead engines, replay the setup cells, restore the state'],
+      ['stop', 'Stop', '%fleet stop']
     ]) {
       const button = element('button', 'jp-mod-styled wb-button', text);
       button.dataset.action = action;
+      button.title = tip;
       button.onclick = () => this._press(action);
       this._buttons.set(action, button);
       controls.appendChild(button);
@@ -130,9 +150,19 @@ export class WorkbenchPanel extends Widget {
     heading.appendChild(save);
     root.appendChild(heading);
     root.appendChild(this._checkpoints);
+    root.appendChild(element('h3', '', 'Logs'));
+    const logsBar = element('div', 'wb-logs-bar');
+    logsBar.appendChild(this._logChoice);
+    this._logChoice.onchange = () => void this._refreshLog();
+    root.appendChild(logsBar);
+    root.appendChild(this._log);
     root.appendChild(element('h3', '', 'Runs on disk'));
     root.appendChild(this._runsBox);
-    this._runsTimer = window.setInterval(() => this._refreshRuns(), 5000);
+    this._runsTimer = window.setInterval(() => {
+      void this._refreshRuns();
+      void this._refreshLogs();
+    }, 5000);
+    this._buttonsTimer = window.setInterval(() => this._updateButtons(), 500);
     void this._refreshRuns();
   }
 
@@ -142,22 +172,30 @@ export class WorkbenchPanel extends Widget {
       this._say(`ranks must be a whole number of at least 1 (got ${this._ranks.value || 'nothing'})`, true);
       return;
     }
+    if (action === 'interrupt') {
+      this._connection.interrupt().then(
+        () => this._say('interrupt sent: the running cell stops on every rank'),
+        error => this._say(String(error), true)
+      );
+      return;
+    }
     const loaded = this._connection.status === 'connected';
     const commands: Record<string, string> = {
       start: (loaded ? '' : '%load_ext workbench\n') + `%fleet start -n ${n}`,
       scale: `%fleet scale ${n}`,
+      recover: '%fleet recover',
       stop: '%fleet stop',
       save: '%checkpoint save'
     };
     this._run(commands[action]);
   }
 
-  /** Run a command in the kernel; its output (or error) goes to the message line. */
+  /** Run a command in the kernel; its output (phases, errors) shows in the message line as it comes. */
   private _run(command: string): void {
     this._pending.add(command);
     this._say('');
     this._render();
-    this._connection.execute(command).then(
+    this._connection.execute(command, text => this._say(text)).then(
       ({ ok, output }) => {
         this._pending.delete(command);
         this._say(output || `${command}: ${ok ? 'done' : 'failed'}`, !ok);
@@ -197,6 +235,9 @@ export class WorkbenchPanel extends Widget {
     this._lastTime.clear();
     this._scalarName = null;
     this._scheduleCharts();
+    this._logChoice.textContent = '';
+    this._log.textContent = '';
+    void this._refreshLogs();
   }
 
   private _addPoints(points: Point[]): void {
@@ -251,16 +292,8 @@ export class WorkbenchPanel extends Widget {
     this._status.textContent = text;
     this._status.dataset.running = String(running);
     this._status.dataset.connection = status;
+    this._updateButtons();
     const busy = waiting.length > 0;
-    const can: Record<string, boolean> = {
-      start: (status === 'not-loaded' || (status === 'connected' && !running)) && !busy,
-      scale: running && !busy,
-      stop: running && !busy,
-      save: running && !busy
-    };
-    this._buttons.forEach((button, action) => {
-      button.disabled = !can[action];
-    });
     const engines = state?.engines ?? [];
     fillTable(
       this._engines,
@@ -286,6 +319,69 @@ export class WorkbenchPanel extends Widget {
     }
   }
 
+  /** Each button is enabled only when it can do something now. */
+  private _updateButtons(): void {
+    const status = this._connection.status;
+    const state = status === 'connected' ? this._state : null;
+    const running = !!state?.running;
+    const busy = this._pending.size > 0;
+    const broken = !!state?.needs_recover || (state?.engines ?? []).some(e => e.state === 'dead');
+    const can: Record<string, boolean> = {
+      start: (status === 'not-loaded' || (status === 'connected' && !running)) && !busy,
+      scale: running && !busy,
+      interrupt: status !== 'no-notebook' && status !== 'no-kernel' && (busy || this._connection.kernelBusy),
+      recover: running && !busy && broken,
+      stop: running && !busy,
+      save: running && !busy
+    };
+    this._buttons.forEach((button, action) => {
+      button.disabled = !can[action];
+    });
+  }
+
+  /** The shown run's log files (rank-N.log, engine-*.log), read through the server routes. */
+  private async _refreshLogs(): Promise<void> {
+    const run = this._shownRun;
+    if (!run || (!this.isVisible && this._logChoice.childElementCount)) {
+      return;
+    }
+    try {
+      const { logs } = await fetchLogs(this._folder(), run);
+      const names = logs.map(l => l.name);
+      const current = [...this._logChoice.options].map(o => o.value);
+      if (names.join() !== current.join()) {
+        const keep = this._logChoice.value;
+        this._logChoice.textContent = '';
+        for (const name of names) {
+          const option = element('option', '', name.replace(/\.log$/, ''));
+          option.value = name;
+          this._logChoice.appendChild(option);
+        }
+        this._logChoice.value = names.includes(keep) ? keep : names[0] ?? '';
+      }
+      this._logChoice.dataset.count = String(names.length);
+      await this._refreshLog();
+    } catch (error) {
+      this._log.textContent = `logs are not available: ${error}`;
+    }
+  }
+
+  private async _refreshLog(): Promise<void> {
+    const run = this._shownRun;
+    const name = this._logChoice.value;
+    if (!run || !name) {
+      this._log.textContent = run ? 'no logs yet: they are written as cells end' : '';
+      return;
+    }
+    const log = await fetchLog(this._folder(), run, name);
+    const atEnd = this._log.scrollTop + this._log.clientHeight >= this._log.scrollHeight - 4;
+    this._log.textContent = (log.cut ? '… (the start is cut: the whole file is in the run folder)\n' : '') + log.text;
+    this._log.dataset.name = name;
+    if (atEnd) {
+      this._log.scrollTop = this._log.scrollHeight;
+    }
+  }
+
   private _fillCheckpoints(checkpoints: ICheckpoint[], canRestore: boolean): void {
     fillTable(
       this._checkpoints,
@@ -308,11 +404,13 @@ export class WorkbenchPanel extends Widget {
   }
 
   private async _refreshRuns(): Promise<void> {
-    if (!this.isVisible && this._runsBox.childElementCount) {
+    const folder = this._folder();
+    if (!this.isVisible && this._runsBox.childElementCount && folder === this._runsFolder) {
       return;
     }
     try {
-      const { runs } = await fetchRuns();
+      const { runs } = await fetchRuns(folder);
+      this._runsFolder = folder;
       this._runsBox.textContent = '';
       if (!runs.length) {
         this._runsBox.textContent = 'none yet';
@@ -337,7 +435,7 @@ export class WorkbenchPanel extends Widget {
     this._showRun(run);
     let since = 0;
     for (;;) {
-      const page = await fetchMetrics(run, since);
+      const page = await fetchMetrics(this._folder(), run, since);
       this._addPoints(page.records.map(r => [r.rank, r.step, r.time, r.scalars, r.system.samples_per_s ?? null]));
       if (page.next === since || !page.records.length) {
         break;
@@ -345,7 +443,7 @@ export class WorkbenchPanel extends Widget {
       since = page.next;
     }
     this._scheduleCharts();
-    this._fillCheckpoints((await fetchCheckpoints(run)).checkpoints, false);
+    this._fillCheckpoints((await fetchCheckpoints(this._folder(), run)).checkpoints, false);
     this._say(`run ${run} (from disk)`);
   }
 }

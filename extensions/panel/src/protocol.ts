@@ -34,6 +34,7 @@ export interface IFleetState {
   engines: IEngine[];
   spares: { ready: number; starting: number };
   checkpoints: ICheckpoint[];
+  needs_recover?: boolean; // a rank was replaced by a fresh engine: %fleet recover next
 }
 
 /** [rank, step, time, scalars, samples_per_s] */
@@ -64,4 +65,19 @@ export interface IMetricsResponse {
     scalars: Record<string, number>;
     system: Record<string, number>;
   }[];
+}
+
+/** GET workbench/api/runs/<id>/logs */
+export interface ILogsResponse {
+  run: string;
+  logs: { name: string; size: number }[];
+}
+
+/** GET workbench/api/runs/<id>/logs/<name>: the file's last 64 KB */
+export interface ILogResponse {
+  run: string;
+  name: string;
+  size: number;
+  text: string;
+  cut: boolean;
 }
