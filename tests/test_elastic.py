@@ -158,10 +158,10 @@ def test_an_engine_killed_during_scale_is_replaced_and_the_scale_completes(elast
 
     killed = []
 
-    def kill_then_add(slots):
+    def kill_then_add(slots, launched=None):
         if not killed:  # the scale's own new engine, not the replacement
             killed.append(os.kill(victim, signal.SIGKILL))
-        add_engines(slots)
+        add_engines(slots, launched)
 
     fleet._add_engines = kill_then_add
     started = time.monotonic()

@@ -180,10 +180,18 @@ def scale(fleet, n: int) -> dict:
     if n == old:
         raise OptionsError(f"the fleet already has {n} ranks")
     phases = _Phases(fleet, f"scale {old}→{n}")
-    tag = phases.run("checkpoint", "checkpoint", fleet.checkpoints.save, tag=f"rescale-{fleet.generation}-{old}to{n}")
+    slots = new_slots(fleet, n - old) if n > old else []
+    launched = fleet._launch_cold(slots)  # new engines start while the state is saved
+    try:
+        tag = phases.run("checkpoint", "checkpoint", fleet.checkpoints.save,
+                         tag=f"rescale-{fleet.generation}-{old}to{n}")
+    except BaseException:
+        for set_id in launched:
+            fleet._stop_engine_set(set_id)
+        raise
     phases.run("teardown", "process group teardown", fleet.client[fleet.engine_ids()].apply_sync, rendezvous.leave)
     if n > old:
-        phases.run("engines", "adding engines", fleet._add_engines, new_slots(fleet, n - old))
+        phases.run("engines", "adding engines", fleet._add_engines, slots, launched)
     else:
         phases.run("engines", "removing engines", fleet._remove_ranks, list(range(n, old)))
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)

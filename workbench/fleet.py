@@ -42,11 +42,12 @@ from .watchdog import DEFAULT_HANG_TIMEOUT_S
 DEFAULT_PG_TIMEOUT_S = 300.0
 DEFAULT_ENGINE_TIMEOUT_S = 120.0
 # The hub pings engines every HUB_HEARTBEAT_PERIOD_MS; a new engine counts as registered at the first
-# ping it answers (ipyparallel's 3 s period made every new engine wait up to 6 s for that). The hub
+# ping it answers, one or two periods after it started (ipyparallel's 3 s period made every new engine wait
+# up to 6 s for that; 500 ms cost 0.5-1 s of every rescale; a ping is a few bytes, answered in C). The hub
 # unregisters an engine silent for HUB_HEARTBEAT_MISSES periods, 120 s (ipyparallel's 30 s
 # unregistered live engines of a 2-core machine at load 18); a local engine counts as dead only
 # once its process is gone, so this bounds how long a silent engine on another host takes
-HUB_HEARTBEAT_PERIOD_MS = 500
+HUB_HEARTBEAT_PERIOD_MS = 100
 HUB_SILENT_S = 120
 HUB_HEARTBEAT_MISSES = HUB_SILENT_S * 1000 // HUB_HEARTBEAT_PERIOD_MS
 EXIT_GRACE_S = 5.0
@@ -836,10 +837,20 @@ class Fleet:
         self.fresh_ranks = []
         return result
 
-    def _add_engines(self, slots: list[EngineSlot]) -> None:
-        slots = self._take_spares(slots)
-        if slots:
-            sets = {self._launch(slot): slot for slot in slots}
+    def _launch_cold(self, slots: list[EngineSlot]) -> dict[str, EngineSlot]:
+        """Start engines now for the ``slots`` that no warm spare will take, so that they start
+        while the caller does other work (a rescale's checkpoint); :meth:`_add_engines` adds them."""
+        self._adopt_spares()
+        return {self._launch(slot): slot for slot in slots[len(self.spares):]}
+
+    def _add_engines(self, slots: list[EngineSlot], launched: dict[str, EngineSlot] | None = None) -> None:
+        """Make ``slots`` ranks: warm spares first, else new engines (``launched``: already started
+        by :meth:`_launch_cold`)."""
+        launched = dict(launched or {})
+        waiting = set(launched.values())
+        left = self._take_spares([slot for slot in slots if slot not in waiting])
+        sets = {**launched, **{self._launch(slot): slot for slot in left}}
+        if sets:
             self._wait_for_engines(sets, ProgressLine(False), time.monotonic())
             self._map_members(sets)
 
