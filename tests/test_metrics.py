@@ -372,6 +372,8 @@ def test_each_cell_has_its_own_dashboard_that_keeps_its_numbers(fleet, monkeypat
     assert step_plot.y_scale.max is not None and step_plot.y_scale.max < 300, step_plot.y_scale.max  # ms
     assert "above the chart" in step_plot.figure.title
     assert "rank 0" in step_plot.legend.value and "rank 1" in step_plot.legend.value
+    memory = first.system_plots["memory"]  # from 0: nearly constant RSS no longer repeats one tick
+    assert memory.y_scale.min == 0.0 and memory.figure.axes[1].label == "MiB"
     fleet.run(cell.format(n=10), show_output=True)
     assert len(shown) == 2 and shown[1] is not first
     assert first._bars[0][1].value == label and first.header.value == header  # untouched by the second cell
