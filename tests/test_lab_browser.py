@@ -94,6 +94,24 @@ def _wait_engines(page, count: int, state: str = "idle", timeout_s: float = 120)
     return _engines(page)
 
 
+def _open_command_palette(page):
+    """View > Activate Command Palette, as a user opens it. The modal palette closes when focus
+    moves (the notebook still settling after load does that): try again until it stays open."""
+    palette = page.locator(".lm-CommandPalette-input:visible")
+    for _ in range(10):
+        page.keyboard.press("Escape")
+        page.locator(".lm-MenuBar-itemLabel", has_text="View").click()
+        page.locator(".lm-Menu-itemLabel", has_text="Activate Command Palette").click()
+        try:
+            palette.wait_for(timeout=3_000)
+            time.sleep(0.5)
+            if palette.is_visible():
+                return palette
+        except playwright_api.TimeoutError:
+            pass
+    raise AssertionError("the command palette did not open")
+
+
 def _message(page) -> str:
     return page.text_content(".wb-message") or ""
 
@@ -111,10 +129,7 @@ def _panel_walkthrough(lab, page):
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     # the panel's command is in the command palette
-    page.locator(".lm-MenuBar-itemLabel", has_text="View").click()  # the command palette, as a user opens it
-    page.locator(".lm-Menu-itemLabel", has_text="Activate Command Palette").click()
-    palette = page.locator(".lm-CommandPalette-input:visible")
-    palette.wait_for(timeout=10_000)
+    palette = _open_command_palette(page)
     _shot(page, "0-palette")
     palette.press_sequentially("workbench fleet")
     item = page.locator(".lm-CommandPalette-item", has_text="Show the workbench fleet panel")
