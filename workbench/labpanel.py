@@ -31,7 +31,8 @@ from tornado import web
 
 from .checkpoint import layout
 from .metrics.store import json_safe
-from .runs import RUNS_DIR_ENV
+from .ranklogs import logs_dir
+from .runs import RUNS_DIR_ENV, RUNS_FOLDER
 
 MAX_RECORDS = 5000  # per metrics request
 LOG_TAIL_BYTES = 64 * 1024  # of one log file per request
@@ -56,7 +57,7 @@ class _RunsHandler(APIHandler):
         path = os.path.realpath(os.path.join(server_root, folder))
         if path != server_root and not path.startswith(server_root + os.sep):
             raise web.HTTPError(403, "folder is outside the server root")
-        return os.path.join(path, "workbench-runs")
+        return os.path.join(path, RUNS_FOLDER)
 
     def run_dir(self, run_id: str) -> str:
         path = os.path.join(self.runs_root, run_id)
@@ -131,7 +132,7 @@ class MetricsHandler(_RunsHandler):
 class LogsHandler(_RunsHandler):
     @web.authenticated
     def get(self, run_id: str, name: str | None = None):
-        folder = os.path.join(self.run_dir(run_id), "logs")
+        folder = logs_dir(self.run_dir(run_id))
         if name is None:
             files = []
             if os.path.isdir(folder):
@@ -176,5 +177,5 @@ def _load_jupyter_server_extension(serverapp) -> None:
     web_app.settings["workbench_server_root"] = os.path.abspath(serverapp.root_dir)
     base = web_app.settings["base_url"]
     web_app.add_handlers(".*$", [(url_path_join(base, pattern), handler) for pattern, handler in HANDLERS])
-    where = os.path.abspath(fixed) if fixed else "workbench-runs next to each notebook"
+    where = os.path.abspath(fixed) if fixed else f"{RUNS_FOLDER} next to each notebook"
     serverapp.log.info(f"workbench: lab panel routes for runs in {where}")

@@ -14,10 +14,11 @@ import time
 from .errors import FleetError
 
 RUNS_DIR_ENV = "WORKBENCH_RUNS_DIR"
+RUNS_FOLDER = "workbench-runs"  # in the working folder (a notebook's kernel: next to the notebook)
 
 
 def runs_root(base: str | None = None) -> str:
-    return os.path.abspath(base or os.environ.get(RUNS_DIR_ENV) or "workbench-runs")
+    return os.path.abspath(base or os.environ.get(RUNS_DIR_ENV) or RUNS_FOLDER)
 
 
 def new_run_dir(base: str | None = None) -> tuple[str, str]:
@@ -40,3 +41,15 @@ def _new_run_folder(root: str) -> tuple[str, str]:
             return run_id, path
         except FileExistsError:
             continue
+
+
+def make_private(root: str) -> None:
+    """Make the tree under ``root`` owner-only (folders 0700, files 0600), like the rest of a run
+    folder: libraries that write into it (wandb, TensorBoard) use the process umask (0644)."""
+    for folder, _, files in os.walk(root):
+        for path, mode in [(folder, 0o700), *((os.path.join(folder, f), 0o600) for f in files)]:
+            try:
+                if not os.path.islink(path):
+                    os.chmod(path, mode)
+            except OSError:
+                pass  # removed meanwhile by the library that wrote it

@@ -33,7 +33,6 @@ class ScriptRun:
         self.run_id, self.run_dir = run_id, run_dir
         self.metrics = metrics  # rank 0: FleetMetrics, the collector and sinks of the run
         self.runtime_dir = runtime_dir
-        self.first_record = 0
         self._in_cell = False
 
     def cell(self, **options) -> dict:
@@ -69,7 +68,7 @@ class ScriptRun:
             expected = {rank: ps for each in everyone for rank, ps in each.items() if ps[1]}
             self.metrics.store.wait_for(expected, 10.0)
             self.metrics.collector.flush()
-            print(self.metrics.summary(self.first_record), flush=True)
+            print(self.metrics.summary(), flush=True)
             print(f"workbench: the run's files are in {self.run_dir}", flush=True)
             self.metrics.close()
             if self.runtime_dir:

@@ -122,12 +122,12 @@ class Dashboard:
     never after. The whole run's (``first_record=0``) is what ``%metrics`` shows.
     """
 
-    def __init__(self, store: MetricsStore, run_id: str, first_record: int = 0, what: str = "") -> None:
+    def __init__(self, store: MetricsStore, run_id: str, first_record: int = 0) -> None:
         import ipywidgets as widgets
 
         self.store = store
         self.run_id = run_id
-        self.what = what or ("whole run" if first_record == 0 else "this cell")
+        self.what = "whole run" if first_record == 0 else "this cell"
         self._seen = first_record
         self._cell_start = first_record
         self._scalars: dict[str, dict[int, tuple[list, list]]] = defaultdict(dict)

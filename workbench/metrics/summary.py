@@ -73,12 +73,14 @@ def summary_text(records: list[Record], run_id: str, dropped: int = 0) -> str:
             values = [r.system[key] for r in recs if key in r.system]
             return statistics.fmean(values) * scale if values else None
 
+        def peak_of(key, recs=recs):
+            return max((r.system.get(key, 0) for r in recs), default=None)
+
         system_rows.append([
             str(rank), len(recs), steps_per_second(recs), mean_of("step_time_s", 1e3), mean_of("comm_s", 1e3),
-            mean_of("samples_per_s"), max((r.system.get("rss_mb", 0) for r in recs), default=None),
+            mean_of("samples_per_s"), peak_of("rss_mb"),
         ] + ([mean_of("tokens_per_s"), mean_of("mfu", 100.0)] if llm else [])
-          + ([mean_of("gpu_util_pct"), max((r.system.get("gpu_mem_used_mb", 0) for r in recs), default=None)]
-             if gpu else []))
+          + ([mean_of("gpu_util_pct"), peak_of("gpu_mem_used_mb")] if gpu else []))
     lines += _table(["rank", "records", "steps/s", "step ms", "comm ms", "samples/s", "peak rss MiB"]
                     + (["tokens/s", "MFU %"] if llm else []) + (["GPU util %", "GPU mem MiB"] if gpu else []),
                     system_rows)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..runs import make_private
 from .step_rows import StepRows
 
 FOLDER = "tensorboard"
@@ -67,19 +68,10 @@ class TensorBoardSink:
         self._write(self.rows.drain())
         for writer in self._writers.values():
             writer.flush()
-        self._make_private()
+        make_private(self.folder)
 
     def close(self) -> None:
         self.flush()
         for writer in self._writers.values():
             writer.close()
         self._writers = {}
-
-    def _make_private(self) -> None:
-        """The event writer creates files with the process umask: owner-only, like the run folder."""
-        for folder, _, files in os.walk(self.folder):
-            for path in (os.path.join(folder, f) for f in files):
-                try:
-                    os.chmod(path, 0o600)
-                except OSError:
-                    pass

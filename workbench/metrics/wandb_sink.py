@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from ..runs import make_private
 from .step_rows import StepRows
 
 STEP_KEY = "workbench/step"
@@ -100,16 +101,7 @@ class WandbSink:
             self.run = None
 
     def _make_private(self) -> None:
-        """wandb writes with the process umask (files 0644): make its tree under the run folder
-        owner-only, like the rest of the run's files."""
-        root = os.path.join(self.run_dir, "wandb")
-        for folder, _, files in os.walk(root):
-            for path, mode in [(folder, 0o700), *((os.path.join(folder, f), 0o600) for f in files)]:
-                try:
-                    if not os.path.islink(path):
-                        os.chmod(path, mode)
-                except OSError:
-                    pass  # wandb removed it meanwhile
+        make_private(os.path.join(self.run_dir, "wandb"))
 
     @property
     def path(self) -> str | None:
