@@ -39,8 +39,12 @@ for _ in range(8):
     step()
 normal_steps_s = 8 / (time.perf_counter() - t0)
 t0 = time.perf_counter(); workbench.checkpoint.save(tag=f"async-{i}", async_=True); async_s = time.perf_counter() - t0
+def all_done():  # every rank decides alike: a step is a collective
+    flag = torch.tensor([int(SAVES.pending is None or SAVES.pending.done())])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
 during, t0 = 0, time.perf_counter()
-while not SAVES.pending.done():
+while not all_done():
     step(); during += 1
 during_s = time.perf_counter() - t0
 workbench.checkpoint.wait()

@@ -19,7 +19,8 @@ from workbench import Fleet
 # run folders (metrics, checkpoints, wandb) of every fleet the tests start, kernels' included
 os.environ.setdefault("WORKBENCH_RUNS_DIR", tempfile.mkdtemp(prefix="workbench-test-runs-"))
 
-IPP_MARKERS = ("ipyparallel", "ipengine", "ipcontroller", "workbench.reaper", "workbench.template")
+IPP_MARKERS = ("ipyparallel", "ipengine", "ipcontroller", "workbench.reaper", "workbench.template",
+               "workbench.checkpoint.writer")
 
 
 def fleet_processes() -> list[psutil.Process]:

@@ -12,19 +12,23 @@ from .checkpoint import layout
 _GATE_WRITES = """
 import os, time
 import torch.distributed.checkpoint.filesystem as _fs
-if not hasattr(_fs.FileSystemWriter.write_data, "_workbench_gate"):
-    _original_write_data = _fs.FileSystemWriter.write_data
-    def _gated(self, plan, planner, _gate={gate!r}):
-        while not os.path.exists(_gate):
-            time.sleep(0.01)
-        return _original_write_data(self, plan, planner)
-    _gated._workbench_gate = _original_write_data
-    _fs.FileSystemWriter.write_data = _gated
+import workbench.checkpoint.writer as _helper
+for _cls in (_fs.FileSystemWriter, _helper.HelperWriter):  # sync saves, async saves
+    if "_workbench_gate" not in vars(_cls):
+        def _gated(self, plan, planner, _gate={gate!r}, _original=_cls.write_data):
+            while not os.path.exists(_gate):
+                time.sleep(0.01)
+            return _original(self, plan, planner)
+        _cls._workbench_gate = _cls.write_data
+        _cls.write_data = _gated
 """
 _UNGATE_WRITES = """
 import torch.distributed.checkpoint.filesystem as _fs
-_fs.FileSystemWriter.write_data = getattr(_fs.FileSystemWriter.write_data, "_workbench_gate",
-                                          _fs.FileSystemWriter.write_data)
+import workbench.checkpoint.writer as _helper
+for _cls in (_fs.FileSystemWriter, _helper.HelperWriter):
+    if "_workbench_gate" in vars(_cls):
+        _cls.write_data = _cls._workbench_gate
+        del _cls._workbench_gate
 """
 
 

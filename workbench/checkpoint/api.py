@@ -5,14 +5,14 @@ Every rank calls these together (they are collective). Saving goes through
 can write in the background while training uses the default group.
 
 An async save stays off the training loop's critical path twice over (torchtitan's
-"zero-overhead" recipe): the copy of parameters and optimizer state ("staging") runs in
-a background thread while the next forward and backward run, and the next optimizer
-step waits for it (a global optimizer pre-step hook; also the end of the cell), since
-that step is what changes them in place; everything else (buffers, which a forward
-updates, RNG, registered objects) is copied before ``save`` returns. The write then
-runs in DCP's background thread at the lowest CPU priority (Linux keeps a nice value
-per thread), so on a machine whose cores the ranks keep busy it takes the time
-training leaves idle instead of taking it from training.
+"zero-overhead" recipe): the copy of parameters and optimizer state ("staging", into
+shared memory) runs in a background thread while the next forward and backward run, and
+the next optimizer step waits for it (a global optimizer pre-step hook; also the end of
+the cell), since that step is what changes them in place; everything else (buffers, which
+a forward updates, RNG, registered objects) is copied before ``save`` returns. DCP then
+plans the save in its background thread, and the bytes are written by a helper process of
+the rank at the lowest CPU priority (:mod:`.writer`), so on a machine whose cores the ranks
+keep busy the write takes the time training leaves idle, and never the rank's GIL.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import concurrent.futures
 import os
 import secrets
 import shutil
-import sys
-import threading
 import time
 import traceback
 
@@ -53,12 +51,13 @@ class _Saves:
 
     def staging(self):
         if self.stager is None:
-            # copies in a background thread into cached CPU buffers (pinned memory needs CUDA)
+            # copies in a background thread into cached CPU buffers in shared memory, which the
+            # writer process reads (pinned memory needs CUDA)
             import torch
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available()
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
                                                        use_async_staging=True, use_non_blocking_copy=cuda))
         if self._step_hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -184,27 +183,6 @@ def _nbytes(value) -> int:
     return 0
 
 
-def _background_writer(path: str):
-    """A ``FileSystemWriter`` that lowers the priority of the thread it writes from when that
-    is not the main thread (DCP's async executor), so training keeps the cores."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class BackgroundWriter(FileSystemWriter):
-        def set_up_storage_writer(self, *args, **kwargs):
-            _lower_thread_priority()
-            return super().set_up_storage_writer(*args, **kwargs)
-
-    return BackgroundWriter(path, thread_count=1)
-
-
-def _lower_thread_priority() -> None:
-    if sys.platform == "linux" and threading.current_thread() is not threading.main_thread():
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only, on Linux
-        except OSError:
-            pass
-
-
 def _copy_volatile(state_dict: dict, objects: dict) -> dict:
     """``state_dict`` with the tensors that change outside an optimizer step (model buffers,
     RNG and registered objects) copied now; parameters and optimizer state stay references
@@ -263,7 +241,13 @@ def _save(tag: str | None, async_: bool, retention: layout.Retention | None, str
     state = RankState(engine._namespace(), spec.rank, logger.step)
     manifest = layout.Manifest(tag=tag, step=logger.step, world_size=spec.world_size,
                                strategy=strategy or _strategy(engine), created=time.time())
-    writer = _background_writer(tmp) if async_ else FileSystemWriter(tmp, thread_count=1)
+    if async_:
+        from . import writer as writer_process
+
+        writer_process.start()
+        writer = writer_process.HelperWriter(tmp, thread_count=1)
+    else:
+        writer = FileSystemWriter(tmp, thread_count=1)
     state_dict: dict = {}
     try:
         state_dict = state.state_dict()
