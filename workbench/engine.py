@@ -264,6 +264,7 @@ def call(fn, args: tuple, kwargs: dict) -> dict:
 def warm() -> None:
     """A spare engine: import what a rank needs now, so that taking a rank is quick."""
     import accelerate  # noqa: F401
+    import torch._dynamo  # noqa: F401 - FSDP2 and accelerate's prepare import it at first use (0.4 s)
     import torch.distributed  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401

@@ -19,6 +19,7 @@ removed or its parent (the kernel) is gone.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import pickle
@@ -54,6 +55,10 @@ def _preload() -> None:
     engine.warm()
     if torch.cuda.is_initialized():  # a fork would inherit a CUDA context it cannot use
         raise RuntimeError("CUDA was initialised while importing; engines cannot fork from this process")
+    # what was imported stays out of the children's garbage collections: a collection would
+    # touch every inherited object and so copy the whole shared heap into each new engine
+    gc.collect()
+    gc.freeze()
 
 
 def _run_engine(request: dict) -> int:
