@@ -262,11 +262,18 @@ def test_one_offline_wandb_run_per_fleet_run_holds_the_values(tmp_path, monkeypa
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no key configured
     with Fleet(n=2, progress=False, wandb=True, runs_dir=str(tmp_path / "runs")) as fleet:
         fleet.run("for i in range(6):\n    workbench.log(loss=i + rank * 0.5)", show_output=False)
+        fleet.run("for i in range(400):\n    workbench.log(fast=i)", show_output=False)  # ~ms a step
         run_dir = fleet.run_dir
     files = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
     assert len(files) == 1, files
-    rows = [row for row in history_rows(files[0]) if "loss" in row]
+    history = list(history_rows(files[0]))
+    rows = [row for row in history if "loss" in row]
     assert [row["workbench/step"] for row in rows] == list(range(6))
+    fast = [row["workbench/step"] for row in history if "fast" in row]
+    assert fast[:10] == list(range(6, 16)) and fast[-1] == 405, fast  # a burst, then the rate limit
+    assert len(fast) < 120, f"{len(fast)} rows: wandb gets at most a burst and then a few rows a second"
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        assert sum('"fast"' in line for line in f) == 800  # every step of every rank
     for i, row in enumerate(rows):
         assert row["rank0/loss"] == i and row["rank1/loss"] == i + 0.5
         assert row["loss"] == pytest.approx(i + 0.25)
