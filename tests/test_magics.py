@@ -285,3 +285,29 @@ def test_unload_ext_stops_the_fleet_and_unregisters_the_magics():
         assert reply["status"] == "error" and "no fleet is running" in reply["evalue"]  # registered again
     finally:
         kernel.shutdown()
+
+
+def test_the_whole_output_is_shown_at_the_end_even_when_the_last_live_tail_was_current(monkeypatch):
+    """A rank that printed its last line before the last live refresh: that refresh showed a
+    tail of the same text; the end must still show every line (it once kept the tail)."""
+    import IPython.display
+
+    from workbench import output
+
+    shown = []
+
+    class Handle:
+        def update(self, bundle, raw):
+            shown.append(bundle["text/plain"])
+
+    def display(bundle, raw, display_id):
+        shown.append(bundle["text/plain"])
+        return Handle()
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    text = "".join(f"line {i} {'x' * 60}\n" for i in range(2000))
+    block = output.RankOutput([0], live_blocks=True)
+    block.update({0: (text, "")})  # live: a tail
+    block.update({0: (text, "")}, force=True)  # the end, same text
+    assert "earlier lines" in shown[0] and len(shown) == 2
+    assert shown[-1].count("\n") == 2000 and "line 0 " in shown[-1]

@@ -36,7 +36,7 @@ class RankOutput:
     def __init__(self, ranks: list[int], live_blocks: bool | None = None) -> None:
         self.ranks = ranks
         self.live_blocks = in_kernel() if live_blocks is None else live_blocks
-        self._shown = {r: ("", "") for r in ranks}  # what each block shows now
+        self._shown = {r: "" for r in ranks}  # the text each block shows now
         self._printed = {r: [0, 0] for r in ranks}  # text mode: characters printed
         self._handles = {}
         self._last_refresh = 0.0
@@ -54,14 +54,17 @@ class RankOutput:
                 self._print_new(rank, out, err, final=force)
 
     def _update_block(self, rank: int, out: str, err: str, final: bool) -> None:
-        if (out, err) == self._shown[rank] or not (out or err):
+        if not (out or err):
+            return
+        if not final:  # an update resends the whole block: keep it small while the cell runs
+            out, err = _tail(out, rank), _tail(err, rank)
+        text = label_lines(rank, out) + label_lines(rank, err, "stderr")
+        if text == self._shown[rank]:  # (a tail shown while running is not the whole output)
             return
         from IPython.display import display
 
-        self._shown[rank] = (out, err)
-        if not final:  # an update resends the whole block: keep it small while the cell runs
-            out, err = _tail(out, rank), _tail(err, rank)
-        bundle = {"text/plain": label_lines(rank, out) + label_lines(rank, err, "stderr")}
+        self._shown[rank] = text
+        bundle = {"text/plain": text}
         handle = self._handles.get(rank)
         if handle is None:
             self._handles[rank] = display(bundle, raw=True, display_id=True)
