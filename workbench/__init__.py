@@ -4,15 +4,23 @@ Kernel side: :class:`Fleet` and the ``%fleet`` / ``%%distributed`` magics
 (``%load_ext workbench``). Engine side, inside cells: ``workbench`` is defined.
 """
 
+import importlib
 import sys
 import types
 
-from . import checkpoint, llm
 from .errors import CheckpointError, FleetError, OptionsError, WorkbenchError
-from .execution import DistributedCellError
-from .fleet import Fleet
-from .metrics import log, progress
-from .strategies import CellOptions
+
+# Loaded on first use, so that ``import workbench`` on an engine (every cell does it) loads
+# no kernel-side module: name -> (module, attribute or None for the module itself).
+_LAZY = {
+    "checkpoint": (".checkpoint", None),
+    "llm": (".llm", None),
+    "log": (".metrics", "log"),
+    "progress": (".metrics", "progress"),
+    "CellOptions": (".strategies", "CellOptions"),
+    "DistributedCellError": (".execution", "DistributedCellError"),
+    "Fleet": (".fleet", "Fleet"),
+}
 
 __all__ = [
     "CheckpointError",
@@ -42,6 +50,21 @@ def unload_ipython_extension(ipython):
     from .magics import unload_ipython_extension as unload
 
     unload(ipython)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = importlib.import_module(module, __name__)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 class _Module(types.ModuleType):
