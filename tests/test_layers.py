@@ -55,3 +55,81 @@ def test_the_kernel_names_still_import_from_the_package():
                           "import workbench\nprint(sorted(set(workbench.__all__) - set(dir(workbench))))"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# The engine side, bottom layer first: a module imports only from its own layer or below.
+LAYERS = [
+    ["workbench.rank", "workbench.errors"],
+    ["workbench.metrics.comm", "workbench.metrics.gpu", "workbench.metrics.logger", "workbench.metrics"],
+    ["workbench.parallel.options", "workbench.parallel.fsdp", "workbench.parallel.hooks", "workbench.parallel.tensor",
+     "workbench.parallel.pipeline", "workbench.parallel.model", "workbench.parallel"],
+    ["workbench.metrics.instrument"],
+    ["workbench.strategies"],
+    ["workbench.rendezvous", "workbench.checkpoint.state", "workbench.checkpoint.layout", "workbench.checkpoint.safe_io",
+     "workbench.checkpoint.writer", "workbench.checkpoint.api", "workbench.checkpoint.replica", "workbench.checkpoint",
+     "workbench.llm", "workbench.models"],
+    ["workbench.engine"],
+    ["workbench.template"],
+]  # workbench.script is both sides at once: in a batch job, rank 0 also runs the collector
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every workbench module and the workbench modules it imports (also inside functions)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "workbench"
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target not in names and "." in target:
+                    target = target.rpartition(".")[0]
+                if target in names and target != name:
+                    found.add(target)
+                    break
+        graph[name] = found
+    return graph
+
+
+def test_no_import_circle():
+    graph = _imports()
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        path.append(name)
+        for target in sorted(graph[name]):
+            visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_engine_side_layers_import_downward_only():
+    graph = _imports()
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    assert set(ENGINE_SIDE) - {"workbench"} <= set(layer), "every engine-side module has a layer"
+    upward = sorted(f"{a} -> {b}" for a in layer for b in graph[a] if layer.get(b, -1) > layer[a])
+    kernel = sorted(f"{a} -> {b}" for a in layer for b in graph[a] if b not in layer and b != "workbench")
+    assert upward == [] and kernel == [], (upward, kernel)

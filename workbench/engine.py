@@ -1,4 +1,4 @@
-"""What runs inside each engine process: the rank's state and the cell runner.
+"""What runs inside each engine process: the cell runner, and the Accelerator each cell gets.
 
 The kernel calls these functions through ipyparallel ``apply``; they run in
 the engine's IPython namespace, which persists across cells.
@@ -13,71 +13,37 @@ import traceback
 from typing import Any
 
 from .metrics.logger import LOGGER
+from .rank import STATE, apply_memory_limit, limit_memory, namespace
 from .strategies import CellOptions
 
-
-class RankState:
-    """This engine's place in the fleet, and the Accelerator of the last cell."""
-
-    def __init__(self) -> None:
-        self.spec = None
-        self.device = None
-        self.accelerator = None
-        self.accelerator_key = None
-        self.pg_sockets: set = set()  # (local, remote) addresses of the group's connections
-        self.group = None  # the default process group workbench made (user code may destroy or replace it)
-        self.cells = 0
-        self.run_dir: str | None = None  # the fleet run's folder (checkpoints live under it)
-        self.in_user_code = False
-        self.memory_limit: int | None = None  # bytes (--memory-limit)
-
-    def joined(self, spec, device, pg_sockets: set, group) -> None:
-        self.spec, self.device, self.pg_sockets, self.group = spec, device, pg_sockets, group
-        self.accelerator = self.accelerator_key = None
-
-    def left(self) -> None:
-        self.spec, self.pg_sockets, self.group = None, set(), None
-        self.accelerator = self.accelerator_key = None
-
-    def group_intact(self) -> bool:
-        """Whether the default process group is still the one workbench made (a cell may have
-        destroyed it, e.g. through accelerate's ``destroy_process_group``, or made its own)."""
-        torch = sys.modules.get("torch")
-        if self.group is None or torch is None:
-            return self.group is None
-        import torch.distributed as dist
-
-        return dist.is_initialized() and dist.distributed_c10d._get_default_group() is self.group
-
-    def ensure_accelerator(self, options: CellOptions):
-        """The Accelerator for ``options``, rebuilt when options or process group change."""
-        if self.spec is None:
-            raise RuntimeError("this engine has no process group; run %fleet start again")
-        key = (options, self.spec.generation)
-        if self.accelerator is None or self.accelerator_key != key or _accelerate_state_reset():
-            from .strategies import build_accelerator
-
-            nodes = self.spec.world_size // max(1, self.spec.local_world_size)
-            self.accelerator = build_accelerator(options, self.device.type, nodes)
-            self.accelerator_key = key
-        return self.accelerator
-
-    def names(self, options: CellOptions) -> dict:
-        """The names every ``%%distributed`` cell sees."""
-        import workbench
-
-        return {
-            "accelerator": self.ensure_accelerator(options),
-            "rank": self.spec.rank,
-            "world_size": self.spec.world_size,
-            "local_rank": self.spec.local_rank,
-            "device": self.device,
-            "mesh": self.ensure_accelerator(options).workbench_mesh,  # hsdp / --tp / --pp, else None
-            "workbench": workbench,
-        }
+__all__ = ["STATE", "apply_memory_limit", "limit_memory", "namespace"]  # the rank's state, from .rank
 
 
-STATE = RankState()
+def ensure_accelerator(options: CellOptions):
+    """The Accelerator for ``options``, rebuilt when options or process group change."""
+    if STATE.spec is None:
+        raise RuntimeError("this engine has no process group; run %fleet start again")
+    key = (options, STATE.spec.generation)
+    if STATE.accelerator is None or STATE.accelerator_key != key or _accelerate_state_reset():
+        from .strategies import build_accelerator
+
+        nodes = STATE.spec.world_size // max(1, STATE.spec.local_world_size)
+        STATE.accelerator = build_accelerator(options, STATE.device.type, nodes)
+        STATE.accelerator_key = key
+    return STATE.accelerator
+
+
+def names(options: CellOptions) -> dict:
+    """The names every ``%%distributed`` cell sees."""
+    return {
+        "accelerator": ensure_accelerator(options),
+        "rank": STATE.spec.rank,
+        "world_size": STATE.spec.world_size,
+        "local_rank": STATE.spec.local_rank,
+        "device": STATE.device,
+        "mesh": ensure_accelerator(options).workbench_mesh,  # hsdp / --tp / --pp, else None
+        "workbench": sys.modules[__package__],  # loaded: this module is part of it
+    }
 
 
 def _accelerate_state_reset() -> bool:
@@ -106,13 +72,6 @@ class _UserCode:
         STATE.in_user_code = False
 
 
-def _namespace() -> dict:
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    return shell.user_ns if shell is not None else sys.modules["__main__"].__dict__
-
-
 def _failure(exc: BaseException, skip_frames: int) -> dict:
     tb = exc.__traceback__
     for _ in range(skip_frames):
@@ -134,29 +93,6 @@ def _over_memory_limit(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
-
-
-def limit_memory(limit: int | None, cpu: bool = True) -> None:
-    """``--memory-limit``: on a CPU engine its address space (``RLIMIT_AS``: allocations past it
-    fail with MemoryError, the process lives on); on a GPU engine, once it has its GPU, its
-    share of that GPU's memory (``torch.cuda.set_per_process_memory_fraction``; an address
-    space limit would break CUDA's large mappings)."""
-    import resource
-
-    STATE.memory_limit = limit
-    if limit is not None and cpu:
-        _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
-    apply_memory_limit()
-
-
-def apply_memory_limit() -> None:
-    """The GPU half of :func:`limit_memory`, once the rank's device is known."""
-    torch = sys.modules.get("torch")
-    if STATE.memory_limit is None or torch is None or STATE.device is None or STATE.device.type != "cuda":
-        return
-    total = torch.cuda.get_device_properties(STATE.device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, STATE.memory_limit / total), STATE.device)
 
 
 def _format(value: Any) -> dict:
@@ -194,9 +130,9 @@ def run_cell(
     record with the traceback of the user's code only.
     """
     STATE.cells += 1
-    ns = _namespace()
+    ns = namespace()
     try:
-        ns.update(STATE.names(CellOptions(**options)))
+        ns.update(names(CellOptions(**options)))
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel as this rank's error
         return _failure(exc, skip_frames=0)
     filename = f"<{cell_name}>"
@@ -220,9 +156,9 @@ def run_cell(
 
 def run_function(fn, args: tuple, kwargs: dict, options: dict) -> dict:
     """Call ``fn(*args, **kwargs)`` on this rank, with the cell names defined."""
-    ns = _namespace()
+    ns = namespace()
     try:
-        ns.update(STATE.names(CellOptions(**options)))
+        ns.update(names(CellOptions(**options)))
         LOGGER.cell_started()
         with _UserCode():
             value = fn(*args, **kwargs)
@@ -299,7 +235,7 @@ def to_cpu(value: Any) -> Any:
 
 def pull(name: str) -> dict:
     """The value of ``name`` in this rank's namespace, tensors moved to CPU."""
-    ns = _namespace()
+    ns = namespace()
     if name not in ns:
         return {"ok": False, "ename": "NameError", "evalue": f"name {name!r} is not defined on this rank",
                 "traceback": ""}
@@ -324,4 +260,4 @@ def set_step(step: int) -> None:
 
 def push(values: dict) -> None:
     """Set ``values`` in this rank's namespace."""
-    _namespace().update(values)
+    namespace().update(values)

@@ -25,27 +25,43 @@ from .ranklogs import logs_dir
 from .strategies import PRECISIONS, SCHEDULES, STRATEGIES, CellOptions
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
-_current: Fleet | None = None
-_last_metrics = None  # the metrics of the last fleet, still readable after %fleet stop
+
+class FleetSession:
+    """The fleet this kernel's ``%fleet start`` started, and the metrics of the last one
+    (still readable after ``%fleet stop``). The lab panel reads it (handed over at
+    ``%load_ext``), so the panel never imports the magics."""
+
+    def __init__(self) -> None:
+        self.fleet: Fleet | None = None
+        self.last_metrics = None
+
+    def current_fleet(self) -> Fleet | None:
+        """The running fleet, if any."""
+        return self.fleet if self.fleet is not None and self.fleet.running else None
+
+    def current_metrics(self):
+        """The metrics of the running fleet, or of the last one this kernel stopped."""
+        fleet = self.current_fleet()
+        return fleet.metrics if fleet is not None else self.last_metrics
+
+    def stop(self) -> None:
+        if self.fleet is not None:
+            self.last_metrics = self.fleet.metrics or self.last_metrics
+            self.fleet.stop()
+            self.fleet = None
+
+
+SESSION = FleetSession()
 
 
 def current_fleet() -> Fleet | None:
     """The fleet that ``%fleet start`` started in this kernel, if it is running."""
-    return _current if _current is not None and _current.running else None
-
-
-def _stop_current() -> None:
-    global _current, _last_metrics
-    if _current is not None:
-        _last_metrics = _current.metrics or _last_metrics
-        _current.stop()
-        _current = None
+    return SESSION.current_fleet()
 
 
 def current_metrics():
     """The metrics of the running fleet, or of the last one this kernel stopped."""
-    fleet = current_fleet()
-    return fleet.metrics if fleet is not None else _last_metrics
+    return SESSION.current_metrics()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -292,7 +308,6 @@ class WorkbenchMagics(Magics):
         %fleet stop
             Stop every engine and the controller.
         """
-        global _current
         args = _fleet_parser().parse_line(line)
         if args is None:  # -h: help printed
             return None
@@ -312,14 +327,14 @@ class WorkbenchMagics(Magics):
                           spares=args.spares, launcher=args.launcher, launcher_options=_launcher_options(args),
                           launcher_config=args.launcher_config, profile=args.profile, cluster_id=args.cluster_id,
                           memory_limit=args.memory_limit)
-            _current = fleet.start()
+            SESSION.fleet = fleet.start()
             print(f"fleet: run {fleet.run_id} in {fleet.run_dir}")
             return None
         fleet = current_fleet()
         if args.command == "stop":
             if fleet is None:
                 print("no fleet is running")
-            _stop_current()
+            SESSION.stop()
             return None
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
@@ -542,16 +557,16 @@ def load_ipython_extension(ipython) -> None:
     from . import panel
 
     ipython.register_magics(WorkbenchMagics)
-    panel.register(ipython)
-    atexit.register(_stop_current)
+    panel.register(ipython, SESSION)
+    atexit.register(SESSION.stop)
 
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext workbench``: stop the fleet and unregister the magics and the panel's comm target."""
     from . import panel
 
-    _stop_current()
-    atexit.unregister(_stop_current)
+    SESSION.stop()
+    atexit.unregister(SESSION.stop)
     panel.unregister(ipython)
     for kind, names in WorkbenchMagics.magics.items():
         for name in names:

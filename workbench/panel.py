@@ -37,16 +37,16 @@ HISTORY = 5000  # metric records sent when a panel opens
 SILENT_AFTER_S = 10.0  # a remote rank without a heartbeat this long shows as "silent"
 
 _comms: dict[str, "PanelConnection"] = {}  # panel client id -> its open comm
+_session = None  # the magics' FleetSession (current_fleet, current_metrics), given by register()
 _comms_lock = threading.Lock()  # comms open on subshell threads
 
 
 def snapshot() -> dict:
     """The fleet as the panel shows it (see the module docstring for what it may read)."""
     from .checkpoint import layout
-    from .magics import current_fleet, current_metrics
 
-    fleet = current_fleet()
-    metrics = current_metrics()
+    fleet = _session.current_fleet() if _session is not None else None
+    metrics = _session.current_metrics() if _session is not None else None
     state = {"type": "state", "running": fleet is not None, "run": metrics.run_id if metrics else None,
              "engines": [], "spares": {"ready": 0, "starting": 0}, "checkpoints": []}
     if fleet is not None:
@@ -118,13 +118,11 @@ class PanelConnection:
             self.closed.wait(POLL_S)
 
     def publish_once(self) -> None:
-        from .magics import current_metrics
-
         text = json.dumps(snapshot(), sort_keys=True, default=str)
         if text != self.sent_state:
             self.comm.send(json.loads(text))
             self.sent_state = text
-        metrics = current_metrics()
+        metrics = _session.current_metrics() if _session is not None else None
         if metrics is None:
             return
         records = metrics.store.records
@@ -136,8 +134,11 @@ class PanelConnection:
             self.sent_records += len(new)
 
 
-def register(ipython) -> bool:
-    """Register the panel's comm target in this kernel; False outside a kernel."""
+def register(ipython, session) -> bool:
+    """Register the panel's comm target in this kernel, showing ``session``'s fleet
+    (:class:`workbench.magics.FleetSession`); False outside a kernel."""
+    global _session
+    _session = session
     try:
         from comm import get_comm_manager
     except ImportError:

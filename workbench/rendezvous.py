@@ -72,7 +72,7 @@ def join(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from . import engine
+    from .rank import STATE, apply_memory_limit
 
     spec = RendezvousSpec(**spec)
     leave()
@@ -110,8 +110,8 @@ def join(spec: dict) -> dict:
         dist.init_process_group(store=store, **kwargs)
     else:
         dist.init_process_group(init_method=f"tcp://{spec.master_addr}:{spec.master_port}", **kwargs)
-    engine.STATE.joined(spec, device, _tcp_connections() - before, dist.distributed_c10d._get_default_group())
-    engine.apply_memory_limit()
+    STATE.joined(spec, device, _tcp_connections() - before, dist.distributed_c10d._get_default_group())
+    apply_memory_limit()
     return {"rank": spec.rank, "device": str(device), "backend": dist.get_backend()}
 
 
@@ -149,9 +149,9 @@ def sever(peer_pids: list[int] = ()) -> int:
     """
     import psutil
 
-    from . import engine
+    from .rank import STATE
 
-    targets = set(engine.STATE.pg_sockets)
+    targets = set(STATE.pg_sockets)
     peer_ports = set()
     for pid in peer_pids:
         try:
@@ -174,11 +174,11 @@ def sever(peer_pids: list[int] = ()) -> int:
 
 def leave(peer_pids: list[int] = ()) -> None:
     """Release peers, destroy this rank's process group and accelerate's singletons."""
-    from . import engine
+    from .rank import STATE
 
     if peer_pids:
         sever(peer_pids)
-    engine.STATE.left()
+    STATE.left()
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

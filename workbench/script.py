@@ -38,7 +38,7 @@ class ScriptRun:
     def cell(self, **options) -> dict:
         """The names of a ``%%distributed`` cell with these flags (a :class:`CellOptions`'s fields)."""
         self._end_cell()
-        names = engine.STATE.names(CellOptions(**options))
+        names = engine.names(CellOptions(**options))
         engine.STATE.cells += 1
         LOGGER.cell_started()
         self._in_cell = True

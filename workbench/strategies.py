@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .errors import OptionsError
+from .parallel.options import COMM_HOOKS, SCHEDULES, check_parallel
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "none")
 PRECISIONS = ("no", "fp16", "bf16")
-COMM_HOOKS = ("fp16", "bf16", "powersgd")
-SCHEDULES = ("gpipe", "1f1b")
+__all__ = ["COMM_HOOKS", "PRECISIONS", "SCHEDULES", "STRATEGIES", "CellOptions", "build_accelerator"]
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,6 @@ class CellOptions:
             if self.strategy not in ("fsdp", "hsdp"):
                 raise OptionsError(f"--fsdp-wrap chooses FSDP units: use it with --strategy fsdp or hsdp "
                                    f"(not {self.strategy})")
-        from .parallel.options import check_parallel
-
         check_parallel(self, world_size, nodes, backend)
         return self
 
@@ -90,7 +88,7 @@ def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
     """Create the ``accelerate.Accelerator`` for ``options`` on this rank.
 
     Its ``prepare`` also adds workbench's step and communication measurements
-    (:mod:`workbench.metrics.instrument`). The process group must already exist. accelerate enables FSDP only for
+    (:mod:`workbench.metrics.instrument`; :func:`accelerator_class`). The process group must already exist. accelerate enables FSDP only for
     GPU-like device types and silently wraps DDP on CPU; for ``fsdp`` on CPU
     the state is switched to FSDP explicitly, which accelerate's FSDP2 path
     supports on gloo (parameters become DTensor shards). Every other strategy keeps
@@ -109,8 +107,6 @@ def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
     plugin = None
     if options.strategy == "fsdp" and not options.custom_parallel:  # with --tp, workbench applies FSDP itself
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
-    from .metrics.instrument import accelerator_class
-
     accelerator = accelerator_class()(
         cpu=device_type == "cpu",
         fsdp_plugin=plugin,
@@ -161,3 +157,79 @@ def _warn_if_bf16_is_emulated(rank: int) -> None:
 
     print("workbench: this CPU has no native bf16 (AVX512-BF16 or AMX), so bf16 mixed precision is emulated "
           "and runs several times slower than fp32; use --mixed-precision no here", file=sys.stderr, flush=True)
+
+
+def accelerator_class():
+    """``accelerate.Accelerator`` whose ``prepare`` instruments what it returns."""
+    global _ACCELERATOR_CLASS
+    if _ACCELERATOR_CLASS is None:
+        from accelerate import Accelerator
+
+        from .metrics.instrument import instrument
+        from .metrics.logger import LOGGER
+
+        class WorkbenchAccelerator(Accelerator):
+            workbench_options = None  # the cell's CellOptions (set by build_accelerator)
+            workbench_mesh = None  # the DeviceMesh of hsdp / --tp / --pp
+
+            def prepare(self, *args, **kwargs):
+                options = self.workbench_options
+                if options is not None and (options.custom_parallel or options.activation_checkpointing
+                                            or self.is_fsdp2):
+                    args = self._parallelize(args)
+                result = super().prepare(*args, **kwargs)
+                from .rank import STATE
+
+                for obj in result if isinstance(result, (tuple, list)) else (result,):
+                    instrument(obj, LOGGER, options)
+                    try:  # bound to this process group: checkpoints skip it once the group is rebuilt
+                        obj._workbench_generation = STATE.spec.generation if STATE.spec else None
+                    except AttributeError:
+                        pass
+                return result
+
+            def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+                """``--strategy none`` and workbench's own parallelism: placed, not wrapped (the
+                rank stays a distributed environment: gather, samplers and the rest still work)."""
+                options = self.workbench_options
+                if options is not None and not options.wraps_model:
+                    evaluation_mode = True  # accelerate's switch for "no DDP wrapper"
+                return super().prepare_model(model, device_placement=device_placement,
+                                             evaluation_mode=evaluation_mode)
+
+            def _fsdp_unit_kwargs(self) -> dict | None:
+                """``fully_shard`` arguments of the blocks, as accelerate's FSDP2 plugin shards the root."""
+                if not self.is_fsdp2:
+                    return None
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                plugin = self.state.fsdp_plugin
+                return {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
+                        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+
+            def _parallelize(self, args):
+                """Models through :func:`workbench.parallel.prepare_model`; optimizers pointed at
+                the new parameters (also when model and optimizer come in separate calls)."""
+                import torch
+
+                from .parallel.model import prepare_model, swap_optimizer_params
+
+                swapped = self.__dict__.setdefault("_workbench_swapped", {})
+                out = []
+                for obj in args:
+                    if isinstance(obj, torch.nn.Module) and not getattr(obj, "_workbench_parallel", False):
+                        obj, moved = prepare_model(obj, self.workbench_options, self.workbench_mesh, self.device,
+                                                   self._fsdp_unit_kwargs())
+                        obj._workbench_parallel = True
+                        swapped.update(moved)
+                    out.append(obj)
+                for obj in out:
+                    if isinstance(obj, torch.optim.Optimizer):
+                        swap_optimizer_params(obj, swapped)
+                return out
+
+        _ACCELERATOR_CLASS = WorkbenchAccelerator
+    return _ACCELERATOR_CLASS
+
+
+_ACCELERATOR_CLASS = None

@@ -25,8 +25,9 @@ import time
 import traceback
 
 from ..errors import CheckpointError
+from ..rank import namespace
 from . import layout
-from .state import REGISTERED, RankState
+from .state import REGISTERED, CheckpointState
 
 
 def _failure_types() -> tuple:
@@ -70,13 +71,14 @@ SAVES = _Saves()
 
 
 def _context():
-    from .. import engine
+    """(this rank's state, its rendezvous spec, the step logger), once the rank is in a fleet run."""
     from ..metrics.logger import LOGGER
+    from ..rank import STATE
 
-    spec = engine.STATE.spec
-    if spec is None or engine.STATE.run_dir is None:
+    spec = STATE.spec
+    if spec is None or STATE.run_dir is None:
         raise CheckpointError("checkpoints need a running fleet: %fleet start first")
-    return engine, spec, LOGGER
+    return STATE, spec, LOGGER
 
 
 def _group(spec):
@@ -226,7 +228,7 @@ def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None 
 
 
 def _save(tag: str | None, async_: bool, retention: layout.Retention | None, strategy: str | None = None) -> str:
-    engine, spec, logger = _context()
+    rank_state, spec, logger = _context()
     wait()  # one save at a time; a failed background save is reported here
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter, async_save
@@ -235,12 +237,12 @@ def _save(tag: str | None, async_: bool, retention: layout.Retention | None, str
     _FAILURES = _failure_types()
     group = _group(spec)
     tag = layout.check_tag(tag) if tag is not None else f"step-{logger.step}"
-    folder = layout.checkpoints_dir(engine.STATE.run_dir)
+    folder = layout.checkpoints_dir(rank_state.run_dir)
     tmp = _own_folder(folder, tag, spec, logger.step) if async_ else _agreed_folder(folder, tag, spec, group)
     _mark_writer(tmp)
-    state = RankState(engine._namespace(), spec.rank, logger.step)
+    state = CheckpointState(namespace(), spec.rank, logger.step)
     manifest = layout.Manifest(tag=tag, step=logger.step, world_size=spec.world_size,
-                               strategy=strategy or _strategy(engine), created=time.time())
+                               strategy=strategy or _strategy(rank_state), created=time.time())
     if async_:
         from . import writer as writer_process
 
@@ -367,8 +369,8 @@ def _commit_on_rank0(rank, tmp, final, manifest, folder, retention: layout.Reten
     return None
 
 
-def _strategy(engine) -> str:
-    key = engine.STATE.accelerator_key
+def _strategy(rank_state) -> str:
+    key = rank_state.accelerator_key
     return key[0].strategy if key else "none"
 
 
@@ -395,19 +397,19 @@ def restore(tag: str = "latest") -> dict:
 
     Works into a different world size (DCP reshards). Returns what was restored.
     """
-    engine, spec, logger = _context()
+    rank_state, spec, logger = _context()
     wait()
     import torch.distributed.checkpoint as dcp
 
     from .safe_io import safe_planner, safe_reader
 
     _FAILURES = _failure_types()
-    path = layout.resolve(layout.checkpoints_dir(engine.STATE.run_dir), tag)
+    path = layout.resolve(layout.checkpoints_dir(rank_state.run_dir), tag)
     manifest = layout.read_manifest(path)
     reader = safe_reader(path)
     metadata = reader.read_metadata()
     saved = metadata.state_dict_metadata
-    state = RankState(engine._namespace(), spec.rank, logger.step)
+    state = CheckpointState(namespace(), spec.rank, logger.step)
     template = state.template({key.split(".", 1)[0] for key in saved})
     _check_shapes(template, saved, manifest.tag)
     try:

@@ -14,7 +14,7 @@ no single rank: :func:`keep` says so and recover loads the latest checkpoint.
 
 from __future__ import annotations
 
-from .state import RankState, set_rng_state
+from .state import CheckpointState, set_rng_state
 
 KEPT: dict | None = None  # this rank's state dict, set aside by keep() until share() or drop()
 
@@ -24,11 +24,11 @@ def keep() -> dict | None:
     None when nothing is prepared. Objects prepared on an older process group count
     (the group was rebuilt after the failure that made recovery necessary)."""
     global KEPT
-    from .. import engine
     from ..metrics.logger import LOGGER
+    from ..rank import STATE, namespace
 
-    rank = engine.STATE.spec.rank if engine.STATE.spec else 0
-    state = RankState(engine._namespace(), rank, LOGGER.step, any_generation=True)
+    rank = STATE.spec.rank if STATE.spec else 0
+    state = CheckpointState(namespace(), rank, LOGGER.step, any_generation=True)
     if not any(state.objects.values()):
         KEPT = None
         return None
@@ -41,15 +41,15 @@ def share(src: int) -> dict:
     global KEPT
     import torch.distributed as dist
 
-    from .. import engine
     from ..metrics.logger import LOGGER
+    from ..rank import STATE, namespace
 
-    rank = engine.STATE.spec.rank
+    rank = STATE.spec.rank
     own, KEPT = KEPT, None
     payload = [own if rank == src else None]
     dist.broadcast_object_list(payload, src=src)  # between this fleet's own ranks, in memory
     state = payload[0]
-    live = RankState(engine._namespace(), rank, LOGGER.step)
+    live = CheckpointState(namespace(), rank, LOGGER.step)
     restored = live.apply({key: value for key, value in state.items() if not key.startswith("rng/")})
     if own is not None and f"rng/{rank}" in own:
         set_rng_state(own[f"rng/{rank}"])

@@ -23,7 +23,7 @@ def prepared_objects(namespace: dict, any_generation: bool = False) -> dict[str,
     only those prepared on the current process group, unless ``any_generation``."""
     import torch
 
-    from ..engine import STATE
+    from ..rank import STATE
 
     generation = STATE.spec.generation if STATE.spec else None
     found = {"model": {}, "optimizer": {}, "scheduler": {}, "dataloader": {}}
@@ -86,7 +86,7 @@ def _optimizer_key(name: str, model) -> str:
     return f"optimizer/{name}" if stage is None else f"optimizer/{name}@stage{stage}"
 
 
-class RankState:
+class CheckpointState:
     """This rank's checkpoint content, built from its namespace."""
 
     def __init__(self, namespace: dict, rank: int, step: int, any_generation: bool = False) -> None:

@@ -22,8 +22,8 @@ import threading
 import time
 from numbers import Number
 
+from .comm import CommClock
 from .gpu import GpuProbe
-from .instrument import CommClock
 
 MAX_BUFFERED = 50_000  # records kept while the kernel is not reading
 MAX_BATCH = 2_000  # records per message
@@ -168,7 +168,7 @@ class MetricsLogger:
         now = time.monotonic()
         if not self._buffer and now - self._last_sent < BEAT_EVERY_S:
             return False
-        from ..engine import STATE
+        from ..rank import STATE
 
         cell = self.cells
         beat = self._pulse.beat(self.activity + self.comm.launched, self._cell_activity, STATE.in_user_code, now)

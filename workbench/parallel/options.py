@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from ..errors import OptionsError
 
+COMM_HOOKS = ("fp16", "bf16", "powersgd")
+SCHEDULES = ("gpipe", "1f1b")
+
 
 def parse_comm_hook(text: str) -> tuple[str, int]:
     """``fp16`` / ``bf16`` / ``powersgd[:RANK]`` → (name, PowerSGD rank; 1 by default)."""
-    from ..strategies import COMM_HOOKS
-
     name, _, rank = text.lower().partition(":")
     if name not in COMM_HOOKS:
         raise OptionsError(f"unknown --comm-hook {text!r}; use one of: fp16, bf16, powersgd[:RANK]")
@@ -30,8 +31,6 @@ def _whole(value, flag: str) -> None:
 
 def check_parallel(options, world: int | None, nodes: int = 1, backend: str | None = None) -> None:
     """Raise :class:`OptionsError` for parallelism flags that do not fit together or the world."""
-    from ..strategies import SCHEDULES
-
     _whole(options.tp, "--tp")
     _whole(options.pp, "--pp")
     _whole(options.microbatches, "--microbatches")
