@@ -2,12 +2,19 @@
 
 An async save is planned by DCP in a background thread of the rank (its collectives use the
 rank's process group), but the bytes are written by a helper process of the rank: started at
-the first async save, at the lowest CPU priority, it reads the staged copy from shared memory
-and returns DCP's write results. Writing from a thread of the rank itself slowed training
-while the write ran (steps/s 0.6-0.76 of normal on a 2-core box): the writer thread holds the
-GIL while it serialises, and at low priority it is then not scheduled to hand it back.
-Unlike DCP's own process executor, the helper joins no process group (nothing listens on a
-TCP port), so a rescale or a recovery needs nothing from it.
+the first async save, at the lowest CPU priority (nice 19 and, on Linux, SCHED_IDLE), it
+reads the staged copy from shared memory and returns DCP's write results. So the write never
+holds the rank's GIL (a writer thread serialises under it, and at low priority it may not be
+scheduled to hand it back), and an OS priority applies to it as a whole. Unlike DCP's own
+process executor, the helper joins no process group (nothing listens on a TCP port), so a
+rescale or a recovery needs nothing from it.
+
+Measured on the 2-core CI box, where the ranks keep both cores busy: training still runs at
+about 0.6-0.65 of its normal steps/s while a 192 MB write runs, as with a thread. The loss
+comes from the writing itself (a helper that receives the data and writes nothing costs
+nothing; one that serialises to /dev/null costs most of it), whatever its priority: on this
+machine one core's work slows the other. On a GPU node the CPU cores are mostly idle while
+the GPUs train, which is what the helper's priority is for.
 
 The helper ends with the rank: killed by the kernel when the thread that started it (the
 rank's main thread) ends, and it exits when its socket closes.
