@@ -467,10 +467,18 @@ class Fleet:
             raise FleetError(f"no running cluster for profile {self.profile or 'default'!r} and cluster id "
                              f"{self.cluster_id or ''!r} ({_one_line(exc)}); start one with ipcluster start") from None
         self.client = self._cluster.connect_client_sync()
+        # without -n: every engine the cluster was started with (a daemonized ipcluster returns
+        # before they all register), else those registered by the deadline
+        started = sum(getattr(s, "n", 0) or 0 for s in self._cluster.engines.values()) or self._cluster.n or 1
+        wanted = len(self._slots) or started
         deadline = time.monotonic() + self.engine_timeout
-        while not self.client.ids or (self._slots and len(self.client.ids) < len(self._slots)):
+        while len(self.client.ids) < wanted:
             if time.monotonic() > deadline:
-                raise FleetError(f"the cluster has {len(self.client.ids)} engines registered, fewer than asked")
+                if self._slots or not self.client.ids:
+                    raise FleetError(f"the cluster has {len(self.client.ids)} engines registered, fewer than asked")
+                print(f"fleet: {len(self.client.ids)} of the cluster's {started} engines registered in "
+                      f"{self.engine_timeout:g} s; using those", file=sys.stderr)
+                break
             time.sleep(0.1)
         self._identify_new()
         ids = sorted(self._identities)[: len(self._slots) or None]
