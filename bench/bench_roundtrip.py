@@ -17,7 +17,7 @@ def main() -> dict:
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "workbench")
     shell.run_line_magic("fleet", "start -n 2")
-    from workbench.magics import _stop_current, current_fleet
+    from workbench.magics import current_fleet
 
     try:
         view = current_fleet().client[:]
@@ -34,7 +34,7 @@ def main() -> dict:
                 ours.append(mid - start)
                 raw.append(end - mid)
     finally:
-        _stop_current()
+        shell.run_line_magic("fleet", "stop")
     return report("roundtrip", {
         "distributed_median_ms": 1e3 * median(ours),
         "distributed_p95_ms": 1e3 * p95(ours),
