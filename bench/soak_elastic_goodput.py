@@ -35,7 +35,11 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 model, optimizer = accelerator.prepare(model, optimizer)
 """
 TRAIN = """
-while time.time() < {deadline}:
+def _go_on():  # every rank decides alike (a step is a collective): a per-rank clock could split them
+    flag = torch.tensor([float(time.time() < {deadline})])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+while _go_on():
     loss = model(torch.randn(32, 512)).pow(2).mean()
     accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
     workbench.log(loss=loss.item())
