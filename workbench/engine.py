@@ -13,10 +13,8 @@ import traceback
 from typing import Any
 
 from .metrics.logger import LOGGER
-from .rank import STATE, apply_memory_limit, limit_memory, namespace
+from .rank import STATE, limit_memory, namespace
 from .strategies import CellOptions
-
-__all__ = ["STATE", "apply_memory_limit", "limit_memory", "namespace"]  # the rank's state, from .rank
 
 
 def ensure_accelerator(options: CellOptions):
