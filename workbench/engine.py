@@ -33,13 +33,14 @@ def ensure_accelerator(options: CellOptions):
 
 def names(options: CellOptions) -> dict:
     """The names every ``%%distributed`` cell sees."""
+    accelerator = ensure_accelerator(options)
     return {
-        "accelerator": ensure_accelerator(options),
+        "accelerator": accelerator,
         "rank": STATE.spec.rank,
         "world_size": STATE.spec.world_size,
         "local_rank": STATE.spec.local_rank,
         "device": STATE.device,
-        "mesh": ensure_accelerator(options).workbench_mesh,  # hsdp / --tp / --pp, else None
+        "mesh": accelerator.workbench_mesh,  # hsdp / --tp / --pp, else None
         "workbench": sys.modules[__package__],  # loaded: this module is part of it
     }
 

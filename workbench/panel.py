@@ -41,12 +41,18 @@ _session = None  # the magics' FleetSession (current_fleet, current_metrics), gi
 _comms_lock = threading.Lock()  # comms open on subshell threads
 
 
+def _fleet_and_metrics() -> tuple:
+    """The running fleet (or None) and the current or last run's metrics (or None)."""
+    if _session is None:
+        return None, None
+    return _session.current_fleet(), _session.current_metrics()
+
+
 def snapshot() -> dict:
     """The fleet as the panel shows it (see the module docstring for what it may read)."""
     from .checkpoint import layout
 
-    fleet = _session.current_fleet() if _session is not None else None
-    metrics = _session.current_metrics() if _session is not None else None
+    fleet, metrics = _fleet_and_metrics()
     state = {"type": "state", "running": fleet is not None, "run": metrics.run_id if metrics else None,
              "engines": [], "spares": {"ready": 0, "starting": 0}, "checkpoints": []}
     if fleet is not None:
@@ -122,7 +128,7 @@ class PanelConnection:
         if text != self.sent_state:
             self.comm.send(json.loads(text))
             self.sent_state = text
-        metrics = _session.current_metrics() if _session is not None else None
+        metrics = _fleet_and_metrics()[1]
         if metrics is None:
             return
         records = metrics.store.records
