@@ -167,7 +167,10 @@ def _writers_alive(tmp: str) -> bool:
         pids = [int(name) for name in os.listdir(os.path.join(tmp, WRITERS))]
     except (OSError, ValueError):
         # not marked yet: the save has just started, unless the folder is old
-        return time.time() - os.path.getmtime(tmp) < 60
+        try:
+            return time.time() - os.path.getmtime(tmp) < 60
+        except OSError:  # gone since it was listed: committed (renamed) or removed by rank 0
+            return False
     return any(psutil.pid_exists(pid) for pid in pids)
 
 
