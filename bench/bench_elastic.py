@@ -52,7 +52,7 @@ def rescale(spares: int) -> float:
     with Fleet(n=2, progress=False, wandb=False, spares=spares) as fleet:
         while len(fleet.spare_status()["ready"]) < spares:
             time.sleep(0.2)
-        fleet.execute(SETUP, CellOptions("fsdp"), show_output=False, setup=True)
+        fleet.execute(SETUP, CellOptions(strategy="fsdp"), show_output=False, setup=True)
         fleet.run(STEP, strategy="fsdp", show_output=False)
         started = time.time()
         fleet.scale(3)
@@ -62,7 +62,7 @@ def rescale(spares: int) -> float:
 def kill_and_recover() -> tuple[float, float]:
     """(SIGKILL → the kernel sees the cell fail, SIGKILL → a training step done again)."""
     with Fleet(n=2, progress=False, wandb=False, auto_recover=True) as fleet:
-        fleet.execute(SETUP, CellOptions("fsdp"), show_output=False, setup=True)
+        fleet.execute(SETUP, CellOptions(strategy="fsdp"), show_output=False, setup=True)
         fleet.run(STEP, strategy="fsdp", show_output=False)
         outcome = {}
 

@@ -57,7 +57,7 @@ def main() -> dict:
             theirs.append(torchrun_run())
             ours.append(fleet.run(IMPORT + f"from llm_train import train_loop\ntrain_loop({STEPS})",
                                   strategy="none", show_output=False)[0])
-        memory = {wrap: fleet.run(MEMORY, options=CellOptions("fsdp", fsdp_wrap=wrap), show_output=False)[0]
+        memory = {wrap: fleet.run(MEMORY, options=CellOptions(strategy="fsdp", fsdp_wrap=wrap), show_output=False)[0]
                   for wrap in ("auto", "none")}
         ddp = fleet.run(MEMORY, strategy="ddp", show_output=False)[0]
     loss_diff = max(abs(a - b) / abs(b) for run_a, run_b in zip(ours, theirs, strict=True)

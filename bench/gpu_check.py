@@ -77,7 +77,7 @@ def fsdp(fleet):
         "from workbench.parallel import fsdp_unit_count\ntorch.cuda.reset_peak_memory_stats()\n"
         "base = torch.cuda.memory_allocated()\nmodel(torch.randn(64, 1024, device=device)).sum().backward()\n"
         "(fsdp_unit_count(model), (torch.cuda.max_memory_allocated() - base) / 2**20)")
-    return {wrap: fleet.run(code, options=CellOptions("fsdp", "bf16", fsdp_wrap=wrap), show_output=False)[0]
+    return {wrap: fleet.run(code, options=CellOptions(strategy="fsdp", mixed_precision="bf16", fsdp_wrap=wrap), show_output=False)[0]
             for wrap in ("auto", "none")}
 
 
@@ -116,7 +116,7 @@ def llm(fleet):
         "    accelerator.backward(loss); opt.step(); opt.zero_grad()\n"
         "    workbench.log(loss=loss.item(), tokens=batch['input_ids'].numel())\nloss.item()")
     start = len(fleet.metrics.store)
-    loss = fleet.run(code, options=CellOptions("fsdp", "bf16"), show_output=False)[0]
+    loss = fleet.run(code, options=CellOptions(strategy="fsdp", mixed_precision="bf16"), show_output=False)[0]
     recs = [r for r in fleet.metrics.store.since(start) if "tokens_per_s" in r.system][10:]
     return {"loss": loss, "tokens_per_s": sum(r.system["tokens_per_s"] for r in recs) / len(recs),
             "mfu": sum(r.system["mfu"] for r in recs) / len(recs)}

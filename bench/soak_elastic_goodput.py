@@ -60,7 +60,7 @@ def train_until(fleet, seconds: float, strategy: str) -> tuple[int, float]:
 def main(duration: float = DURATION_S, strategy: str = "ddp") -> dict:
     kills: list[float] = []
     with Fleet(n=2, progress=False, wandb=False, auto_recover=True, max_restarts=1000, spares=1) as fleet:
-        fleet.execute(SETUP, CellOptions(strategy), show_output=False, setup=True)
+        fleet.execute(SETUP, CellOptions(strategy=strategy), show_output=False, setup=True)
         train_until(fleet, 5.0, strategy)  # warm-up
         steps, wall = train_until(fleet, BASELINE_S, strategy)
         fault_free = steps / wall

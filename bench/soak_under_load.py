@@ -47,7 +47,7 @@ def main(quickstarts: int = 10, scales: int = 20, busy: int = 12) -> dict:
             seconds["quickstart"].append(time.monotonic() - started)
             print(f"quickstart {i + 1}/{quickstarts}: {seconds['quickstart'][-1]:.0f} s", flush=True)
         with Fleet(n=2, progress=False, wandb=False) as fleet:
-            fleet.execute(SETUP, CellOptions("fsdp"), show_output=False, setup=True)
+            fleet.execute(SETUP, CellOptions(strategy="fsdp"), show_output=False, setup=True)
             for i in range(scales):
                 started = time.monotonic()
                 try:

@@ -120,10 +120,10 @@ def test_fsdp_shards_every_block_then_the_root(fleet):
     ddp = fleet.run(TRAIN_AND_MEASURE, strategy="ddp")
     fleet.run(BLOCKS_MODEL, strategy="fsdp")
     per_block = fleet.run(TRAIN_AND_MEASURE, strategy="fsdp")
-    one_unit_opts = CellOptions("fsdp", fsdp_wrap="none")
+    one_unit_opts = CellOptions(strategy="fsdp", fsdp_wrap="none")
     fleet.run(BLOCKS_MODEL, options=one_unit_opts)
     one_unit = fleet.run(TRAIN_AND_MEASURE, options=one_unit_opts)
-    by_class_opts = CellOptions("fsdp", fsdp_wrap="Block")
+    by_class_opts = CellOptions(strategy="fsdp", fsdp_wrap="Block")
     fleet.run(BLOCKS_MODEL, options=by_class_opts)
     by_class = fleet.run(TRAIN_AND_MEASURE, options=by_class_opts)
     for rank in range(2):
@@ -139,13 +139,13 @@ def test_fsdp_shards_every_block_then_the_root(fleet):
 
 def test_fsdp_wrap_refusals():
     with pytest.raises(OptionsError, match="--fsdp-wrap chooses FSDP units"):
-        CellOptions("ddp", fsdp_wrap="none").validate("cpu")
+        CellOptions(strategy="ddp", fsdp_wrap="none").validate("cpu")
     with pytest.raises(OptionsError, match="class names"):
-        CellOptions("fsdp", fsdp_wrap="not a class").validate("cpu")
+        CellOptions(strategy="fsdp", fsdp_wrap="not a class").validate("cpu")
 
 
 def test_fsdp_wrap_with_an_unknown_class_is_one_line(fleet):
     from workbench.execution import DistributedCellError
 
     with pytest.raises(DistributedCellError, match="matched no module of Net; its classes with parameters"):
-        fleet.run(BLOCKS_MODEL, options=CellOptions("fsdp", fsdp_wrap="NoSuchLayer"))
+        fleet.run(BLOCKS_MODEL, options=CellOptions(strategy="fsdp", fsdp_wrap="NoSuchLayer"))

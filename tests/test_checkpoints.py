@@ -388,7 +388,7 @@ def three_ranks():
 def test_sigkill_of_a_rank_during_a_save_keeps_the_last_checkpoint(fleet, tmp_path):
     from workbench import CellOptions, FleetError
 
-    fleet.execute(SETUP.format(width=32), CellOptions("fsdp"), show_output=False, setup=True)
+    fleet.execute(SETUP.format(width=32), CellOptions(strategy="fsdp"), show_output=False, setup=True)
     fleet.run(TRAIN.format(steps=3), strategy="fsdp", show_output=False)
     good = fleet.checkpoints.save(tag="before-kills")
     try:
@@ -413,7 +413,7 @@ def test_a_rank_killed_during_an_async_save_does_not_break_the_recovery(fleet, t
 
     from workbench import CellOptions
 
-    fleet.execute(SETUP.format(width=32), CellOptions("fsdp"), show_output=False, setup=True)
+    fleet.execute(SETUP.format(width=32), CellOptions(strategy="fsdp"), show_output=False, setup=True)
     fleet.run(TRAIN.format(steps=3), strategy="fsdp", show_output=False)
     good = fleet.checkpoints.save(tag="before-async-kill")
     gate = tmp_path / "gate"

@@ -111,17 +111,17 @@ def test_recover_right_after_a_kill_replaces_an_engine_still_exiting(elastic):
     victim = fleet.member(1).pid
     os.kill(victim, signal.SIGKILL)
     assert not wait_until_gone([victim])
-    real, calls = fleet.dead_ranks, []
+    real, calls = fleet.pool.dead_ranks, []
 
     def not_yet(settle_s=2.0):  # the first look came before the exit (a race on a busy machine)
         calls.append(settle_s)
         return [] if len(calls) == 1 else real(settle_s)
 
-    fleet.dead_ranks = not_yet
+    fleet.pool.dead_ranks = not_yet
     try:
         result = fleet.recover()
     finally:
-        del fleet.dead_ranks
+        del fleet.pool.dead_ranks
     assert len(calls) >= 2 and result["replaced"] == [1] and result["checkpoint"] == "before-late-kill"
     assert fleet.run("world_size", strategy="fsdp", show_output=False) == [2, 2]
 
@@ -154,7 +154,7 @@ def test_an_engine_killed_during_scale_is_replaced_and_the_scale_completes(elast
     fleet.run(TRAIN, strategy="fsdp", show_output=False)
     before = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
     victim = fleet.member(1).pid
-    add_engines = fleet._add_engines
+    add_engines = fleet.pool.add_engines
 
     killed = []
 
@@ -163,12 +163,12 @@ def test_an_engine_killed_during_scale_is_replaced_and_the_scale_completes(elast
             killed.append(os.kill(victim, signal.SIGKILL))
         add_engines(slots, launched)
 
-    fleet._add_engines = kill_then_add
+    fleet.pool.add_engines = kill_then_add
     started = time.monotonic()
     try:
         fleet.scale(3)
     finally:
-        del fleet._add_engines
+        del fleet.pool.add_engines
     assert time.monotonic() - started < 60
     assert "rank 1 died (engine" in capfd.readouterr().err
     assert victim not in {m.pid for m in fleet.members} and fleet.world_size == 3 and not fleet.fresh_ranks

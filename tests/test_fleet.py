@@ -34,7 +34,7 @@ def test_nothing_listens_beyond_localhost(fleet):
     import psutil
 
     fleet.run(ALL_REDUCE)
-    pids = [m.pid for m in fleet.members] + [fleet._cluster.controller.pid]
+    pids = [m.pid for m in fleet.members] + [fleet.processes.cluster.controller.pid]
     listening = [
         c.laddr for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
         if c.status == psutil.CONN_LISTEN
@@ -260,7 +260,7 @@ def test_a_fleet_the_machine_cannot_hold_is_refused_before_starting(capfd):
     import psutil
 
     from workbench import OptionsError
-    from workbench.fleet import ENGINE_MEMORY_BYTES
+    from workbench.devices import ENGINE_MEMORY_BYTES
 
     too_many = psutil.virtual_memory().available // ENGINE_MEMORY_BYTES + 8
     with pytest.raises(OptionsError, match=f"^{too_many} CPU engines need about .* use at most -n"):
@@ -291,7 +291,7 @@ def test_status_is_bounded_when_the_controller_is_frozen(fleet):
 def _cluster_pids(fleet) -> set[int]:
     import psutil
 
-    launcher = fleet._cluster.controller
+    launcher = fleet.processes.cluster.controller
     root = psutil.Process(launcher.process.pid)
     return {root.pid, *(c.pid for c in root.children(recursive=True))}
 

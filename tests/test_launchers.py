@@ -88,7 +88,7 @@ def _processes(*names):
 def test_two_simulated_nodes_get_node_ranks_local_ranks_and_a_grouped_status():
     fleet = Fleet(n=4, progress=False, wandb=False, memory_limit="6G")
     # slots 0 and 2 on node-a, 1 and 3 on node-b: a node's ranks must come out consecutive
-    fleet.slot_environment = {0: {"WORKBENCH_HOSTNAME": "node-a"}, 1: {"WORKBENCH_HOSTNAME": "node-b"},
+    fleet.pool.slot_environment = {0: {"WORKBENCH_HOSTNAME": "node-a"}, 1: {"WORKBENCH_HOSTNAME": "node-b"},
                               2: {"WORKBENCH_HOSTNAME": "node-a"}, 3: {"WORKBENCH_HOSTNAME": "node-b"}}
     with fleet:
         env = fleet.run("import os; tuple(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', "

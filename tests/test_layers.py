@@ -11,6 +11,8 @@ ENGINE_SIDE = [
     "workbench.engine",
     "workbench.rendezvous",
     "workbench.strategies",
+    "workbench.options",
+    "workbench.messages",
     "workbench.llm",
     "workbench.models",
     "workbench.metrics",
@@ -59,10 +61,10 @@ def test_the_kernel_names_still_import_from_the_package():
 
 # The engine side, bottom layer first: a module imports only from its own layer or below.
 LAYERS = [
-    ["workbench.rank", "workbench.errors"],
+    ["workbench.rank", "workbench.errors", "workbench.messages"],
     ["workbench.metrics.comm", "workbench.metrics.gpu", "workbench.metrics.logger", "workbench.metrics"],
     ["workbench.parallel.options", "workbench.parallel.fsdp", "workbench.parallel.hooks", "workbench.parallel.tensor",
-     "workbench.parallel.pipeline", "workbench.parallel.model", "workbench.parallel"],
+     "workbench.parallel.pipeline", "workbench.parallel.model", "workbench.parallel", "workbench.options"],
     ["workbench.metrics.instrument"],
     ["workbench.strategies"],
     ["workbench.rendezvous", "workbench.checkpoint.state", "workbench.checkpoint.layout", "workbench.checkpoint.safe_io",
@@ -133,3 +135,27 @@ def test_engine_side_layers_import_downward_only():
     upward = sorted(f"{a} -> {b}" for a in layer for b in graph[a] if layer.get(b, -1) > layer[a])
     kernel = sorted(f"{a} -> {b}" for a in layer for b in graph[a] if b not in layer and b != "workbench")
     assert upward == [] and kernel == [], (upward, kernel)
+
+
+# The kernel side above the engine side (which it may import), bottom layer first.
+KERNEL_LAYERS = [
+    ["workbench.devices", "workbench.flags", "workbench.output", "workbench.runs", "workbench.ranklogs",
+     "workbench.reaper", "workbench.launchers", "workbench.metrics.store", "workbench.metrics.step_rows",
+     "workbench.metrics.summary", "workbench.metrics.tensorboard_sink", "workbench.metrics.wandb_sink"],
+    ["workbench.processes", "workbench.metrics.collector", "workbench.metrics.dashboard", "workbench.watchdog"],
+    ["workbench.pool", "workbench.metrics.live", "workbench.execution", "workbench.export"],
+    ["workbench.group", "workbench.checkpoint.control", "workbench.elastic"],
+    ["workbench.fleet"],
+    ["workbench.panel", "workbench.labpanel", "workbench.testing"],
+    ["workbench.magics"],
+]
+
+
+def test_kernel_side_layers_import_downward_only():
+    graph = _imports()
+    engine_side = {name for names in LAYERS for name in names} | {"workbench.script", "workbench.llm"}
+    layer = {name: i for i, names in enumerate(KERNEL_LAYERS) for name in names}
+    unplaced = set(graph) - set(layer) - engine_side - {"workbench"}
+    assert not unplaced, f"every module has a layer: {sorted(unplaced)}"
+    upward = sorted(f"{a} -> {b}" for a in layer for b in graph[a] if layer.get(b, -1) > layer[a])
+    assert upward == [], upward

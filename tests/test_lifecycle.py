@@ -20,9 +20,9 @@ def test_stop_leaves_no_process_and_no_runtime_files():
     fleet = Fleet(n=2, progress=False).start()
     runtime = fleet.runtime_dir
     assert oct(os.stat(runtime).st_mode & 0o777) == "0o700"
-    pids = [p for m in fleet.members for p in _tree(m.pid)] + [fleet._cluster.controller.pid]
+    pids = [p for m in fleet.members for p in _tree(m.pid)] + [fleet.processes.cluster.controller.pid]
     assert len(pids) >= 5  # 2 engines, 2 nannies, 1 controller
-    template = fleet._template.pid  # the engines fork from the engine template, their nannies from them
+    template = fleet.processes.template_pid  # the engines fork from the engine template, their nannies from them
     assert all(psutil.Process(m.pid).ppid() == template for m in fleet.members)
     assert oct(os.stat(os.path.join(runtime, "template.sock")).st_mode & 0o777) == "0o600"
     pids.append(template)
@@ -40,7 +40,7 @@ def _kernel_with_fleet():
         "f = current_fleet()\n"
         "import psutil\n"
         "pids = [m.pid for m in f.members] + [c.pid for m in f.members for c in psutil.Process(m.pid).children()]\n"
-        "pids.append(f._cluster.controller.pid)\n"
+        "pids.append(f.processes.cluster.controller.pid)\n"
         "print('PIDS', *pids)"
     )
     text = kernel.text(messages)
@@ -73,7 +73,7 @@ def test_script_that_exits_without_stopping_leaves_nothing_behind(tmp_path):
         "import psutil\n"
         "f = Fleet(n=2, progress=False).start()\n"
         "pids = [m.pid for m in f.members] + [c.pid for m in f.members for c in psutil.Process(m.pid).children()]\n"
-        "print(*pids, f._cluster.controller.pid, flush=True)\n"
+        "print(*pids, f.processes.cluster.controller.pid, flush=True)\n"
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     pids = [int(p) for p in out.stdout.split()]
@@ -114,7 +114,7 @@ def test_owner_killed_while_engines_start_leaves_nothing_behind(tmp_path):
 
 def test_killed_controller_leaves_no_scheduler_behind():
     fleet = Fleet(n=2, progress=False, wandb=False).start()
-    controller = psutil.Process(fleet._cluster.controller.pid)
+    controller = psutil.Process(fleet.processes.cluster.controller.pid)
     schedulers = [c.pid for c in controller.children(recursive=True)]
     controller.kill()
     fleet.stop()

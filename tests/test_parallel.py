@@ -36,12 +36,12 @@ def test_impossible_combinations_are_refused_in_one_line(options, world, message
 
 
 def test_the_fleet_refuses_before_anything_runs(fleet):
-    cells = fleet._cells
+    cells = fleet.cells_run
     with pytest.raises(OptionsError, match="larger than the world"):
         fleet.run("1", options=CellOptions(tp=4), show_output=False)
     with pytest.raises(OptionsError, match="drop --ranks"):
         fleet.run("1", options=CellOptions(tp=2), ranks=[0], show_output=False)
-    assert fleet._cells == cells, "no cell was sent"
+    assert fleet.cells_run == cells, "no cell was sent"
 
 
 DDP_TRAIN = """

@@ -82,5 +82,5 @@ def test_changing_flags_rebuilds_the_accelerator_and_same_flags_reuse_it(fleet):
 
 
 def test_cell_options_validation_is_pure():
-    assert CellOptions("fsdp", "bf16", 2).validate("cpu").strategy == "fsdp"
-    assert CellOptions("ddp", "fp16").validate("cuda").mixed_precision == "fp16"
+    assert CellOptions(strategy="fsdp", mixed_precision="bf16", grad_accum=2).validate("cpu").strategy == "fsdp"
+    assert CellOptions(strategy="ddp", mixed_precision="fp16").validate("cuda").mixed_precision == "fp16"

@@ -35,7 +35,7 @@ def test_scale_loop_on_a_saturated_machine():
     from workbench import CellOptions
 
     with BusyMachine(BUSY), Fleet(n=2, progress=False, wandb=False) as fleet:
-        fleet.execute(setup, CellOptions("fsdp"), show_output=False, setup=True)
+        fleet.execute(setup, CellOptions(strategy="fsdp"), show_output=False, setup=True)
         for _ in range(2):
             fleet.scale(3)
             assert fleet.run("world_size", strategy="fsdp", show_output=False) == [3, 3, 3]

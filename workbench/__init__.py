@@ -17,7 +17,8 @@ _LAZY = {
     "llm": (".llm", None),
     "log": (".metrics", "log"),
     "progress": (".metrics", "progress"),
-    "CellOptions": (".strategies", "CellOptions"),
+    "CellOptions": (".options", "CellOptions"),
+    "FleetOptions": (".options", "FleetOptions"),
     "DistributedCellError": (".execution", "DistributedCellError"),
     "Fleet": (".fleet", "Fleet"),
 }
@@ -27,6 +28,7 @@ __all__ = [
     "checkpoint",
     "llm",
     "CellOptions",
+    "FleetOptions",
     "DistributedCellError",
     "Fleet",
     "FleetError",

@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
+
+import psutil
 
 from .errors import OptionsError
 
@@ -100,3 +103,21 @@ def plan_engines(
         return [EngineSlot(first_slot + i, visible[i]) for i in range(count)]
     count = DEFAULT_CPU_ENGINES if n is None else n
     return [EngineSlot(first_slot + i) for i in range(count)]
+
+
+ENGINE_MEMORY_BYTES = 500 * 2**20  # an idle CPU engine with torch and accelerate imported (measured ~450 MiB)
+CPU_ENGINES_PER_CORE = 4  # past this, gloo collectives and heartbeats starve
+
+
+def check_machine_fits(n: int) -> None:
+    """Refuse a local CPU fleet this machine cannot hold (memory), warn about one it cannot run well."""
+    available = psutil.virtual_memory().available
+    cores = os.cpu_count() or 1
+    if n * ENGINE_MEMORY_BYTES > available:
+        raise OptionsError(f"{n} CPU engines need about {n * ENGINE_MEMORY_BYTES / 2**30:.0f} GiB but this machine has "
+                           f"{available / 2**30:.0f} GiB available; use at most -n {max(1, available // ENGINE_MEMORY_BYTES)}")
+    if n > CPU_ENGINES_PER_CORE * cores:
+        print(f"workbench: {n} CPU engines on {cores} cores will be slow and may time out in collectives; "
+              f"consider -n {cores}", file=sys.stderr, flush=True)
+
+

@@ -19,26 +19,8 @@ import time
 from . import engine, rendezvous
 from .checkpoint import replica
 from .checkpoint.api import abandon as abandon_saves
-from .devices import EngineSlot, visible_gpus
 from .errors import OptionsError
 from .output import ProgressLine
-
-
-def new_slots(fleet, count: int) -> list[EngineSlot]:
-    """Slots for ``count`` more engines: the next slot numbers, and GPUs not in use
-    (by a rank, a spare, or a spare still starting)."""
-    used = [m.slot for m in fleet.members + fleet.spares] + list(fleet._pending_spares.values())
-    first = max(s.slot for s in used) + 1 if used else 0
-    if fleet.device_type == "cpu":
-        return [EngineSlot(first + i) for i in range(count)]
-    busy = {s.gpu for s in used}
-    free = [g for g in visible_gpus() if g not in busy]
-    if len(free) < count:
-        raise OptionsError(
-            f"scaling needs {count} more GPUs but only {len(free)} visible GPU(s) are free "
-            f"({', '.join(free) or 'none'}); one engine per GPU"
-        )
-    return [EngineSlot(first + i, free[i]) for i in range(count)]
 
 
 class _Phases:
@@ -127,9 +109,9 @@ def recover(fleet, shrink: bool = False) -> dict:
     """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
     the process group, replay the setup cells on every rank, then give every rank the
     survivors' state (DDP: a live replica) or the latest complete checkpoint (resharded)."""
-    fleet._targets(None)
+    fleet.targets(None)
     phases = _Phases(fleet, "recover")
-    dead = fleet.dead_ranks(settle_s=0.5)
+    dead = fleet.pool.dead_ranks(settle_s=0.5)
     replaced_before = set(fleet.fresh_ranks)  # replaced already, after the cell that saw them die
     replica_engine = _keep_live_state(fleet, set(dead) | replaced_before)
     if shrink:
@@ -138,7 +120,7 @@ def recover(fleet, shrink: bool = False) -> dict:
         if len(lost) >= fleet.world_size:
             raise OptionsError("no rank would be left: recover without --shrink")
         if lost:
-            phases.run("engines", f"removing rank {','.join(map(str, lost))}", fleet._remove_ranks, lost)
+            phases.run("engines", f"removing rank {','.join(map(str, lost))}", fleet.pool.remove_ranks, lost)
         dead = lost
     elif dead:
         phases.run("engines", f"replacing rank {','.join(map(str, dead))}", fleet.replace, dead)
@@ -146,7 +128,7 @@ def recover(fleet, shrink: bool = False) -> dict:
         phases.run("teardown", "process group teardown", _teardown, fleet)
     except Exception:
         # an engine killed a moment before recover looked (still exiting then) fails the teardown
-        late = [] if shrink else fleet.dead_ranks(settle_s=2.0)
+        late = [] if shrink else fleet.pool.dead_ranks(settle_s=2.0)
         if not late:
             raise
         phases.run("engines", f"replacing rank {','.join(map(str, late))}", fleet.replace, late)
@@ -171,8 +153,8 @@ def scale(fleet, n: int) -> dict:
     """Resize ``fleet`` to ``n`` ranks, keeping training state; returns the phases' seconds."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise OptionsError(f"scale needs a whole number of ranks >= 1 (got {n!r}); e.g. %fleet scale 3")
-    fleet._targets(None)
-    fleet._recover_if_dead()
+    fleet.targets(None)
+    fleet.recover_if_dead()
     if fleet.fresh_ranks:
         raise OptionsError(f"rank {','.join(map(str, fleet.fresh_ranks))} was replaced and has no state yet; "
                            "run %fleet recover before scaling")
@@ -180,20 +162,20 @@ def scale(fleet, n: int) -> dict:
     if n == old:
         raise OptionsError(f"the fleet already has {n} ranks")
     phases = _Phases(fleet, f"scale {old}→{n}")
-    slots = new_slots(fleet, n - old) if n > old else []
-    launched = fleet._launch_cold(slots)  # new engines start while the state is saved
+    slots = fleet.pool.new_slots(n - old) if n > old else []
+    launched = fleet.pool.launch_cold(slots)  # new engines start while the state is saved
     try:
         tag = phases.run("checkpoint", "checkpoint", fleet.checkpoints.save,
                          tag=f"rescale-{fleet.generation}-{old}to{n}")
     except BaseException:
         for set_id in launched:
-            fleet._stop_engine_set(set_id)
+            fleet.processes.stop_engine_set(set_id)
         raise
     phases.run("teardown", "process group teardown", fleet.client[fleet.engine_ids()].apply_sync, rendezvous.leave)
     if n > old:
-        phases.run("engines", "adding engines", fleet._add_engines, slots, launched)
+        phases.run("engines", "adding engines", fleet.pool.add_engines, slots, launched)
     else:
-        phases.run("engines", "removing engines", fleet._remove_ranks, list(range(n, old)))
+        phases.run("engines", "removing engines", fleet.pool.remove_ranks, list(range(n, old)))
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)
     report = _replay_and_restore(fleet, phases, tag)
     phases.done(f"restored {', '.join(report['restored']) or 'nothing'} at step {report['step']}")

@@ -12,9 +12,10 @@ import sys
 import traceback
 from typing import Any
 
+from .messages import CellReply, MetricsMark
 from .metrics.logger import LOGGER
+from .options import CellOptions
 from .rank import STATE, limit_memory, namespace
-from .strategies import CellOptions
 
 
 def ensure_accelerator(options: CellOptions):
@@ -71,7 +72,7 @@ class _UserCode:
         STATE.in_user_code = False
 
 
-def _failure(exc: BaseException, skip_frames: int) -> dict:
+def _failure(exc: BaseException, skip_frames: int) -> CellReply:
     tb = exc.__traceback__
     for _ in range(skip_frames):
         if tb is not None and tb.tb_next is not None:
@@ -82,7 +83,7 @@ def _failure(exc: BaseException, skip_frames: int) -> dict:
         note = (f"this rank's memory limit ({STATE.memory_limit / 2**30:.3g} GiB, --memory-limit) was reached; "
                 "lower the batch or model size, or raise the limit")
         evalue, text = f"{evalue} [{note}]", f"{text.rstrip()}\nMemoryLimit: {note}\n"
-    return {"ok": False, "ename": type(exc).__name__, "evalue": evalue, "traceback": text}
+    return CellReply(ok=False, ename=type(exc).__name__, evalue=evalue, traceback=text)
 
 
 def _over_memory_limit(exc: BaseException) -> bool:
@@ -122,11 +123,11 @@ def _compile_cell(code: str, filename: str):
 
 def run_cell(
     code: str, options: dict, cell_name: str, return_value: bool = False, display_value: bool = True
-) -> dict:
+) -> CellReply:
     """Run a ``%%distributed`` cell on this rank.
 
-    Returns ``{"ok": True, "value": ..., "display": mimebundle}`` or a failure
-    record with the traceback of the user's code only.
+    Returns the value and its display, or the failure with the traceback of the
+    user's code only.
     """
     STATE.cells += 1
     ns = namespace()
@@ -143,7 +144,7 @@ def run_cell(
             value = eval(last, ns) if last is not None else None
     except BaseException as exc:  # noqa: BLE001
         return _with_metrics(_failure(exc, skip_frames=1))
-    result = {"ok": True, "value": None, "display": None}
+    result = CellReply(ok=True, value=None, display=None)
     if value is not None:
         ns["_"] = value
         if return_value:
@@ -153,7 +154,7 @@ def run_cell(
     return _with_metrics(result)
 
 
-def run_function(fn, args: tuple, kwargs: dict, options: dict) -> dict:
+def run_function(fn, args: tuple, kwargs: dict, options: dict) -> CellReply:
     """Call ``fn(*args, **kwargs)`` on this rank, with the cell names defined."""
     ns = namespace()
     try:
@@ -163,10 +164,10 @@ def run_function(fn, args: tuple, kwargs: dict, options: dict) -> dict:
             value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001
         return _with_metrics(_failure(exc, skip_frames=1))
-    return _with_metrics({"ok": True, "value": to_cpu(value), "display": None})
+    return _with_metrics(CellReply(ok=True, value=to_cpu(value), display=None))
 
 
-def _with_metrics(reply: dict) -> dict:
+def _with_metrics(reply: CellReply) -> CellReply:
     """Add how many metrics records this rank sent (the kernel waits for them), and
     errors of background checkpoint saves (reported once, never lost)."""
     import os
@@ -176,7 +177,7 @@ def _with_metrics(reply: dict) -> dict:
     wait_for_staging()  # the next cell may change parameters in place
     LOGGER.cell_finished()
     reply["group_intact"] = STATE.group_intact()
-    reply["metrics"] = {"pid": os.getpid(), "seq": LOGGER.flush(), "cell": LOGGER.cells}
+    reply["metrics"] = MetricsMark(pid=os.getpid(), seq=LOGGER.flush(), cell=LOGGER.cells)
     errors = take_errors()  # every rank has the same failure (DCP is collective); rank 0 reports it once
     reply["notices"] = errors if STATE.spec is not None and STATE.spec.rank == 0 else []
     if LOGGER.send_error is not None:  # the sender survived it; say so once
@@ -186,14 +187,14 @@ def _with_metrics(reply: dict) -> dict:
     return reply
 
 
-def call(fn, args: tuple, kwargs: dict) -> dict:
+def call(fn, args: tuple, kwargs: dict) -> CellReply:
     """Call a workbench function on this rank as the kernel's request (no cell names set)."""
     try:
         with _UserCode():
             value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001
         return _failure(exc, skip_frames=1)
-    return {"ok": True, "value": to_cpu(value), "display": None}
+    return CellReply(ok=True, value=to_cpu(value), display=None)
 
 
 def warm() -> None:
@@ -232,13 +233,13 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
-def pull(name: str) -> dict:
+def pull(name: str) -> CellReply:
     """The value of ``name`` in this rank's namespace, tensors moved to CPU."""
     ns = namespace()
     if name not in ns:
-        return {"ok": False, "ename": "NameError", "evalue": f"name {name!r} is not defined on this rank",
-                "traceback": ""}
-    return {"ok": True, "value": to_cpu(ns[name]), "display": None}
+        return CellReply(ok=False, ename="NameError", evalue=f"name {name!r} is not defined on this rank",
+                         traceback="")
+    return CellReply(ok=True, value=to_cpu(ns[name]), display=None)
 
 
 def memory_report() -> str:

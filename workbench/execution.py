@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from . import rendezvous
 from .errors import WorkbenchError
-from .output import RankOutput
+from .messages import CellReply
+from .output import RankOutput, last_line
 from .watchdog import HangWatch
 
 POLL_S = 0.1  # streaming refresh and timeout granularity; results wake us at once
@@ -130,12 +131,6 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(str(r) for r in sorted(ranks))
 
 
-def last_line(text: str, limit: int | None = 200) -> str:
-    """The last non-empty line of ``text``, cut to ``limit`` characters."""
-    lines = [line for line in str(text).strip().splitlines() if line.strip()]
-    return lines[-1][:limit] if lines else ""
-
-
 class _Stopper:
     """The ladder that ends a cell on every rank: SIGINT, release, kill."""
 
@@ -184,7 +179,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     ``KeyboardInterrupt`` after an interrupt (once every rank has stopped).
     """
     started = time.monotonic()
-    pending = {r: fleet.view(fleet.member(r).engine_id).apply_async(function, *args) for r in ranks}
+    pending = {r: fleet.pool.view(fleet.member(r).engine_id).apply_async(function, *args) for r in ranks}
     submitted = dict(pending)  # pending loses ranks as they finish; their output stays
     output = RankOutput(ranks) if show_output else None
     watch = fleet.metrics.watch(show_output)
@@ -233,10 +228,10 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                         failed_at = time.time()
             if now - last_pid_check >= PID_CHECK_S:  # a dead engine whose nanny died too never answers
                 last_pid_check = now
-                for rank in fleet.gone_ranks(sorted(pending)):
+                for rank in fleet.pool.gone_ranks(sorted(pending)):
                     del pending[rank]
-                    reply = {"ok": False, "ename": "EngineError", "evalue": "the engine's process is gone",
-                             "traceback": ""}
+                    reply = CellReply(ok=False, ename="EngineError", evalue="the engine's process is gone",
+                                      traceback="")
                     result.replies[rank] = reply
                     failures.append(RankFailure(rank, reply["ename"], reply["evalue"], ""))
                     if stopper is None:
@@ -314,19 +309,19 @@ def _wait_for_output(submitted: dict, replies: dict) -> None:
             ar.wait_for_output(max(0.0, deadline - time.monotonic()))
 
 
-def _reply(ar) -> dict:
+def _reply(ar) -> CellReply:
     try:
         return ar.get()
     except Exception as exc:  # the engine died or could not run the request at all
         ename = getattr(exc, "ename", type(exc).__name__)
         evalue = getattr(exc, "evalue", str(exc))
-        return {"ok": False, "ename": ename, "evalue": evalue, "traceback": f"{ename}: {evalue}"}
+        return CellReply(ok=False, ename=ename, evalue=evalue, traceback=f"{ename}: {evalue}")
 
 
 def _act(fleet, action: str, pending: dict) -> str:
     running = sorted(pending)
     if action == "sigint":
-        fleet.signal(running, signal.SIGINT)
+        fleet.pool.signal(running, signal.SIGINT)
     elif action == "release":
         idle = [r for r in range(fleet.world_size) if r not in pending]
         if idle:
@@ -348,8 +343,8 @@ def _worst(hangs) -> list[int]:
 
 def _kill(fleet, pending: dict, failures: list[RankFailure], result: CellResult, stuck: list[int]) -> None:
     for rank in stuck:
-        reply = {"ok": False, "ename": "Killed", "evalue": "did not stop within a few seconds; engine replaced",
-                 "traceback": ""}
+        reply = CellReply(ok=False, ename="Killed", evalue="did not stop within a few seconds; engine replaced",
+                          traceback="")
         result.replies[rank] = reply
         failures.append(RankFailure(rank, reply["ename"], reply["evalue"], "", stopped=True))
         del pending[rank]
@@ -364,8 +359,8 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tupl
     """
     if not abnormal:
         return [], []
-    dead = fleet.dead_ranks()
-    losses = {r: fleet.loss(r) for r in dead}  # (headline, explanation), before the engines are replaced
+    dead = fleet.pool.dead_ranks()
+    losses = {r: fleet.pool.loss(r) for r in dead}  # (headline, explanation), before the engines are replaced
     causes = {r: explanation for r, (_, explanation) in losses.items()}
     lost.update({r: headline for r, (headline, _) in losses.items()})
     if dead:

@@ -17,7 +17,7 @@ import shlex
 import time
 
 from .errors import FleetError
-from .strategies import CellOptions
+from .options import CellOptions
 
 RDZV_PORT = 29500
 

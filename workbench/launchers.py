@@ -21,9 +21,9 @@ import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 
 from .errors import OptionsError
+from .options import LAUNCHERS
 from .template import exit_status, socket_path
 
-LAUNCHERS = ("local", "mpi", "slurm", "pbs", "ssh")
 REMOTE = ("slurm", "pbs", "ssh")  # engines may run on other hosts: the controller listens on the network
 # friendly option names -> the trait of each launcher's engine-set class
 SHORTCUTS = {

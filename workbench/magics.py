@@ -20,10 +20,10 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from .errors import WorkbenchError
 from .execution import DistributedCellError
-from .fleet import DEFAULT_PG_TIMEOUT_S, Fleet
+from .flags import add_flags, number, options_from
+from .fleet import Fleet
+from .options import CellCall, CellOptions, FleetOptions
 from .ranklogs import logs_dir
-from .strategies import PRECISIONS, SCHEDULES, STRATEGIES, CellOptions
-from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 
 class FleetSession:
@@ -51,17 +51,25 @@ class FleetSession:
             self.fleet = None
 
 
-SESSION = FleetSession()
+def _session() -> FleetSession | None:
+    """The session of the magics loaded in this IPython shell (None without ``%load_ext workbench``)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    magics = shell.magics_manager.registry.get("WorkbenchMagics") if shell is not None else None
+    return magics.session if magics is not None else None
 
 
 def current_fleet() -> Fleet | None:
     """The fleet that ``%fleet start`` started in this kernel, if it is running."""
-    return SESSION.current_fleet()
+    session = _session()
+    return session.current_fleet() if session is not None else None
 
 
 def current_metrics():
     """The metrics of the running fleet, or of the last one this kernel stopped."""
-    return SESSION.current_metrics()
+    session = _session()
+    return session.current_metrics() if session is not None else None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,28 +118,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(self.format_help())
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number, e.g. 2") from None
-
-
-def _rank_list(text: str) -> list[int]:
-    try:
-        return [int(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ranks, e.g. --ranks 0,1") from None
+_count = number(int, "a whole number, e.g. 2")
 
 
 @functools.cache  # built once: argparse costs ~0.6 ms per build, every cell parses
@@ -139,32 +126,7 @@ def _fleet_parser() -> _Parser:
     parser = _Parser(prog="%fleet", add_help=False)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     start = sub.add_parser("start", prog="%fleet start", add_help=False)
-    start.add_argument("-n", type=_count, default=None, help="number of engines (default: one per GPU, or 2 on CPU)")
-    start.add_argument("--gpus", default=None, help="GPU ids, one engine each, e.g. 0,2")
-    start.add_argument("--cpu", action="store_true", help="CPU engines even if GPUs are visible")
-    start.add_argument("--backend", default=None, help="gloo (CPU default), nccl (GPU default) or mpi")
-    start.add_argument("--pg-timeout", type=_positive_float, default=DEFAULT_PG_TIMEOUT_S,
-                       help="seconds after which a blocked collective fails")
-    start.add_argument("--no-wandb", action="store_true", help="do not log this run to wandb")
-    start.add_argument("--no-tensorboard", action="store_true",
-                       help="do not write TensorBoard event files (on when tensorboard is installed)")
-    start.add_argument("--auto-recover", action="store_true",
-                       help="when an engine dies in a cell: recover and run the cell again")
-    start.add_argument("--max-restarts", type=_count, default=3, help="auto-recover budget (default 3)")
-    start.add_argument("--launcher", default="local", help="local|mpi|slurm|pbs|ssh: ipyparallel's launchers")
-    start.add_argument("--launcher-option", action="append", default=[], metavar="KEY=VALUE",
-                       help="an option of the launcher, by its ipyparallel name (repeatable)")
-    start.add_argument("--launcher-config", default=None, help="a traitlets config file for the launcher")
-    for name in ("partition", "time", "account", "qos"):
-        start.add_argument(f"--{name}", default=None, help=f"batch {name} (slurm/pbs)")
-    start.add_argument("--profile", default=None, help="attach to a running ipcluster of this profile")
-    start.add_argument("--cluster-id", default=None, help="attach to the running ipcluster with this id")
-    start.add_argument("--memory-limit", default=None, help="per engine, e.g. 4G (CPU: address space; GPU: memory)")
-    start.add_argument("--spares", type=_count, default=0,
-                       help="warm engines kept ready outside the group: scale up and recovery take one at once")
-    start.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S,
-                       help="a rank with no heartbeat, or no progress, this many seconds is hung and "
-                            f"stopped (default {DEFAULT_HANG_TIMEOUT_S:g}; 0: off)")
+    add_flags(start, FleetOptions)
     sub.add_parser("status", prog="%fleet status", add_help=False)
     scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
     scale.add_argument("n", type=_count, help="the new number of ranks")
@@ -187,22 +149,8 @@ def _fleet_parser() -> _Parser:
 @functools.cache
 def _distributed_parser() -> _Parser:
     parser = _Parser(prog="%%distributed", add_help=False)
-    parser.add_argument("--strategy", default="ddp", help=f"{'|'.join(STRATEGIES)} (default ddp)")
-    parser.add_argument("--mixed-precision", default="no", help=f"{'|'.join(PRECISIONS)} (default no)")
-    parser.add_argument("--grad-accum", type=_count, default=1, help="gradient accumulation steps")
-    parser.add_argument("--ranks", type=_rank_list, default=None, help="run on these ranks only, e.g. 0,1")
-    parser.add_argument("--timeout", type=_positive_float, default=None, help="stop the cell after S seconds")
-    parser.add_argument("--setup", action="store_true", help="record the cell; replayed after %%fleet scale")
-    parser.add_argument("--comm-hook", default=None, help="DDP gradient compression: fp16|bf16|powersgd[:RANK]")
-    parser.add_argument("--mesh", default=None, help="hsdp layout REPLICATExSHARD, e.g. 2x2")
-    parser.add_argument("--tp", type=_count, default=1, help="tensor-parallel size (dp x tp mesh)")
-    parser.add_argument("--pp", type=_count, default=1, help="pipeline stages (one per rank)")
-    parser.add_argument("--microbatches", type=_count, default=4, help="microbatches per pipeline step (default 4)")
-    parser.add_argument("--schedule", default="gpipe", help=f"pipeline schedule: {'|'.join(SCHEDULES)}")
-    parser.add_argument("--fsdp-wrap", default="auto",
-                        help="fsdp/hsdp units: auto (each block, then the root) | none (one unit) | ClassName[,...]")
-    parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="recompute each block's activations in backward")
+    add_flags(parser, CellOptions)
+    add_flags(parser, CellCall)
     return parser
 
 
@@ -234,15 +182,6 @@ class _RankValue:
         return self.bundle.get("text/plain", "")
 
 
-def _launcher_options(args) -> dict:
-    from .launchers import parse_options
-
-    options = parse_options(args.launcher_option)
-    options.update({name: getattr(args, name) for name in ("partition", "time", "account", "qos")
-                    if getattr(args, name) is not None})
-    return options
-
-
 def _status_table(rows: list[dict]) -> str:
     """The ranks' table; with several hosts, grouped under a line per host (its node rank)."""
     if not rows:
@@ -261,30 +200,27 @@ def _status_table(rows: list[dict]) -> str:
 
 @magics_class
 class WorkbenchMagics(Magics):
+    """``%fleet``, ``%%distributed``, ``%checkpoint`` and ``%metrics``; :attr:`session` holds the fleet."""
+
+    def __init__(self, shell=None) -> None:
+        super().__init__(shell)
+        self.session = FleetSession()
+
     @line_magic
     @_friendly
     def fleet(self, line: str):
         """Manage the engine fleet: one ipyparallel engine per rank (per GPU).
 
-        %fleet start [-n N] [--gpus 0,2] [--cpu] [--backend gloo|nccl|mpi] [--pg-timeout S] [--no-wandb] [--no-tensorboard]
-                     [--auto-recover [--max-restarts K]] [--hang-timeout S] [--spares K]
-                     [--memory-limit SIZE] [--launcher local|mpi|slurm|pbs|ssh
-                     [--partition P] [--time T] [--account A] [--qos Q]
-                     [--launcher-option KEY=VALUE ...] [--launcher-config FILE]]
-                     [--profile NAME | --cluster-id ID]
+        %fleet start [-n N] [flags: see below]
             Start N engines (default: one per visible GPU, or 2 CPU engines) and
             join them in a torch.distributed process group (gloo on CPU, nccl on GPU).
             The run's files go to ./workbench-runs/<run-id>/ (metrics.jsonl, wandb/, tensorboard/, logs/).
             --auto-recover: when an engine dies during a cell, replace it, replay the
-            --setup cells, restore a survivor's state or the latest checkpoint, run the cell again
-            (at most K times, default 3). --hang-timeout: a rank with no heartbeat, or
-            no progress, that long is hung (default 300 s, 0: off; no heartbeat counts
-            only after 3 s, three beats). --spares: warm
-            engines kept ready for scale-up and recovery. --memory-limit: per engine
-            (CPU: address space; GPU: share of its GPU); going over it is that rank's
-            error. --launcher starts the engines through ipyparallel's MPI, Slurm,
-            PBS or SSH launcher (options pass through by name); --profile /
-            --cluster-id use the engines of an ipcluster that is already running.
+            --setup cells, restore a survivor's state or the latest checkpoint, run the
+            cell again (at most --max-restarts times). --hang-timeout: no heartbeat
+            counts only after 3 s (three beats). --memory-limit: going over it is that
+            rank's error. --launcher options pass through to ipyparallel's launcher by
+            name; --profile / --cluster-id use the engines of a running ipcluster.
         %fleet status
             Table of rank, engine id, pid, host, device, state and memory.
         %fleet scale N
@@ -315,26 +251,23 @@ class WorkbenchMagics(Magics):
             raise UsageError("%fleet needs a command: start, status, scale, recover, pull, push, export or stop "
                              "(see %fleet?)")
         if args.command == "start":
-            if current_fleet() is not None:
+            if self.session.current_fleet() is not None:
                 raise UsageError(
-                    f"a fleet is already running ({current_fleet().world_size} ranks); "
+                    f"a fleet is already running ({self.session.current_fleet().world_size} ranks); "
                     "use it, or stop it first with %fleet stop"
                 )
-            fleet = Fleet(n=args.n, gpus=args.gpus, cpu=args.cpu, backend=args.backend, pg_timeout=args.pg_timeout,
-                          wandb=False if args.no_wandb else None,
-                          tensorboard=False if args.no_tensorboard else None, auto_recover=args.auto_recover,
-                          max_restarts=args.max_restarts, hang_timeout=args.hang_timeout,
-                          spares=args.spares, launcher=args.launcher, launcher_options=_launcher_options(args),
-                          launcher_config=args.launcher_config, profile=args.profile, cluster_id=args.cluster_id,
-                          memory_limit=args.memory_limit)
-            SESSION.fleet = fleet.start()
+            from .launchers import parse_options
+
+            args.launcher_options = parse_options(args.launcher_options)
+            fleet = Fleet(options=options_from(args, FleetOptions))
+            self.session.fleet = fleet.start()
             print(f"fleet: run {fleet.run_id} in {fleet.run_dir}")
             return None
-        fleet = current_fleet()
+        fleet = self.session.current_fleet()
         if args.command == "stop":
             if fleet is None:
                 print("no fleet is running")
-            SESSION.stop()
+            self.session.stop()
             return None
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
@@ -377,11 +310,7 @@ class WorkbenchMagics(Magics):
     def distributed(self, line: str, cell: str):
         """Run the cell on every rank of the fleet.
 
-        %%distributed [--strategy ddp|fsdp|hsdp|none] [--mixed-precision no|fp16|bf16]
-                      [--grad-accum K] [--ranks 0,1] [--timeout S] [--setup]
-                      [--comm-hook fp16|bf16|powersgd[:R]] [--mesh RxS] [--tp N]
-                      [--pp N [--microbatches M] [--schedule gpipe|1f1b]]
-                      [--activation-checkpointing] [--fsdp-wrap auto|none|ClassName[,...]]
+        %%distributed [flags: see below]
 
         Each rank keeps its own namespace across cells. Defined in every cell:
         accelerator (an accelerate.Accelerator built from the flags; FSDP is
@@ -410,14 +339,12 @@ class WorkbenchMagics(Magics):
         args = _distributed_parser().parse_line(line)
         if args is None:  # -h: help printed
             return None
-        fleet = current_fleet()
+        fleet = self.session.current_fleet()
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
-        options = CellOptions(args.strategy, args.mixed_precision, args.grad_accum, comm_hook=args.comm_hook,
-                              mesh=args.mesh, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                              schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
-                              fsdp_wrap=args.fsdp_wrap)
-        result = fleet.execute(cell, options, ranks=args.ranks, timeout=args.timeout, setup=args.setup)
+        call = options_from(args, CellCall)
+        result = fleet.execute(cell, options_from(args, CellOptions), ranks=call.ranks, timeout=call.timeout,
+                               setup=call.setup)
         bundle = result.display(result.ranks[0])
         return _RankValue(bundle) if bundle else None
 
@@ -451,7 +378,7 @@ class WorkbenchMagics(Magics):
             return None
         if args.command is None:
             raise UsageError("%checkpoint needs a command: save, list, restore, rm or wait (see %checkpoint?)")
-        fleet = current_fleet()
+        fleet = self.session.current_fleet()
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2 and run your setup cells first")
         checkpoints = fleet.checkpoints
@@ -486,7 +413,7 @@ class WorkbenchMagics(Magics):
         args = _metrics_parser().parse_line(line)
         if args is None:  # -h: help printed
             return None
-        metrics = current_metrics()
+        metrics = self.session.current_metrics()
         if metrics is None:
             raise UsageError("no fleet has run in this kernel; start one with %fleet start -n 2")
         if args.path:
@@ -556,17 +483,20 @@ def load_ipython_extension(ipython) -> None:
     """``%load_ext workbench``: register the magics (and the lab panel's comm target), stop the fleet at exit."""
     from . import panel
 
-    ipython.register_magics(WorkbenchMagics)
-    panel.register(ipython, SESSION)
-    atexit.register(SESSION.stop)
+    magics = WorkbenchMagics(ipython)
+    ipython.register_magics(magics)
+    panel.register(ipython, magics.session)
+    atexit.register(magics.session.stop)
 
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext workbench``: stop the fleet and unregister the magics and the panel's comm target."""
     from . import panel
 
-    SESSION.stop()
-    atexit.unregister(SESSION.stop)
+    magics = ipython.magics_manager.registry.get(WorkbenchMagics.__name__)
+    if magics is not None:
+        magics.session.stop()
+        atexit.unregister(magics.session.stop)
     panel.unregister(ipython)
     for kind, names in WorkbenchMagics.magics.items():
         for name in names:

@@ -15,6 +15,12 @@ REFRESH_S = 0.1
 LIVE_TAIL_CHARS = 8_000  # while a cell runs, a rank's block shows its last lines (each update resends the block)
 
 
+def last_line(text: str, limit: int | None = 200) -> str:
+    """The last non-empty line of ``text``, cut to ``limit`` characters."""
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else ""
+
+
 def in_kernel() -> bool:
     """Whether we run inside a Jupyter kernel (where display updates work)."""
     try:

@@ -31,6 +31,8 @@ import time
 
 import psutil
 
+from .messages import EngineRow, PanelState
+
 TARGET = "workbench.panel"
 POLL_S = 0.25
 HISTORY = 5000  # metric records sent when a panel opens
@@ -48,18 +50,18 @@ def _fleet_and_metrics() -> tuple:
     return _session.current_fleet(), _session.current_metrics()
 
 
-def snapshot() -> dict:
+def snapshot() -> PanelState:
     """The fleet as the panel shows it (see the module docstring for what it may read)."""
     from .checkpoint import layout
 
     fleet, metrics = _fleet_and_metrics()
-    state = {"type": "state", "running": fleet is not None, "run": metrics.run_id if metrics else None,
-             "engines": [], "spares": {"ready": 0, "starting": 0}, "checkpoints": []}
+    state = PanelState(type="state", running=fleet is not None, run=metrics.run_id if metrics else None,
+                       engines=[], spares={"ready": 0, "starting": 0}, checkpoints=[])
     if fleet is not None:
         streams = fleet.metrics.store.streams if fleet.metrics else {}
         state.update(world_size=fleet.world_size, backend=fleet.backend, run_dir=fleet.run_dir,
                      engines=[_engine_row(m, streams.get(m.rank)) for m in list(fleet.members)],
-                     spares={"ready": len(fleet.spares), "starting": len(fleet._pending_spares)},
+                     spares={"ready": len(fleet.pool.spares), "starting": len(fleet.pool.pending_spares)},
                      needs_recover=bool(fleet.fresh_ranks))
     if metrics is not None:
         folder = layout.checkpoints_dir(metrics.run_dir)
@@ -72,7 +74,7 @@ def snapshot() -> dict:
     return state
 
 
-def _engine_row(member, stream) -> dict:
+def _engine_row(member, stream) -> EngineRow:
     state = "starting" if stream is None or stream.pid != member.pid else ("busy" if stream.busy else "idle")
     if member.host == socket.gethostname() or member.host == "localhost":
         try:
@@ -84,10 +86,10 @@ def _engine_row(member, stream) -> dict:
         state = "silent"
     memory = (stream.memory if stream is not None else {}) or {}
     memory_mb = memory.get("cuda_max_mb", memory.get("rss_mb"))
-    return {"rank": member.rank, "engine": member.engine_id, "pid": member.pid, "host": member.host,
-            "device": member.device, "state": state,
-            # whole MiB, as shown: fractions would resend the state with every heartbeat
-            "memory_mb": None if memory_mb is None else round(memory_mb)}
+    return EngineRow(rank=member.rank, engine=member.engine_id, pid=member.pid, host=member.host,
+                     device=member.device, state=state,
+                     # whole MiB, as shown: fractions would resend the state with every heartbeat
+                     memory_mb=None if memory_mb is None else round(memory_mb))
 
 
 def _points(records) -> list[list]:

@@ -14,6 +14,8 @@ import socket
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
+from .messages import Identity, Joined
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -38,14 +40,10 @@ class RendezvousSpec:
         return asdict(self)
 
 
-def identify() -> dict:
+def identify() -> Identity:
     """Who this engine is: its slot (set by the fleet at launch), pid, host and GPU."""
-    return {
-        "slot": int(os.environ.get("WORKBENCH_SLOT", "-1")),
-        "pid": os.getpid(),
-        "host": hostname(),
-        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
-    }
+    return Identity(slot=int(os.environ.get("WORKBENCH_SLOT", "-1")), pid=os.getpid(), host=hostname(),
+                    gpu=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def free_port(loopback: bool = True) -> int:
@@ -67,7 +65,7 @@ def host_address() -> str:
     return socket.gethostbyname(socket.getfqdn())
 
 
-def join(spec: dict) -> dict:
+def join(spec: dict) -> Joined:
     """Join the process group described by ``spec`` (a :class:`RendezvousSpec` dict)."""
     import torch
     import torch.distributed as dist
@@ -112,7 +110,7 @@ def join(spec: dict) -> dict:
         dist.init_process_group(init_method=f"tcp://{spec.master_addr}:{spec.master_port}", **kwargs)
     STATE.joined(spec, device, _tcp_connections() - before, dist.distributed_c10d._get_default_group())
     apply_memory_limit()
-    return {"rank": spec.rank, "device": str(device), "backend": dist.get_backend()}
+    return Joined(rank=spec.rank, device=str(device), backend=dist.get_backend())
 
 
 def _accelerate_launch_environment(device) -> None:

@@ -21,7 +21,7 @@ from datetime import timedelta
 
 from . import engine, rendezvous
 from .metrics.logger import LOGGER
-from .strategies import CellOptions
+from .options import CellOptions
 
 SCRIPT_PG_TIMEOUT_S = 1800.0
 

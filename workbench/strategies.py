@@ -1,87 +1,11 @@
-"""Per-cell training options and the Accelerator each rank builds from them.
+"""The Accelerator each rank builds from a cell's :class:`~workbench.options.CellOptions`.
 
-``CellOptions`` is validated in the kernel (one-line errors before anything
-runs); ``build_accelerator`` runs on the engines.
+Engine side; its class (:func:`accelerator_class`) instruments what ``prepare`` returns.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
-from .errors import OptionsError
-from .parallel.options import COMM_HOOKS, SCHEDULES, check_parallel
-
-STRATEGIES = ("ddp", "fsdp", "hsdp", "none")
-PRECISIONS = ("no", "fp16", "bf16")
-__all__ = ["COMM_HOOKS", "PRECISIONS", "SCHEDULES", "STRATEGIES", "CellOptions", "build_accelerator"]
-
-
-@dataclass(frozen=True)
-class CellOptions:
-    """What ``%%distributed``'s flags asked for (see :mod:`workbench.parallel` for the
-    parallelism ones)."""
-
-    strategy: str = "ddp"
-    mixed_precision: str = "no"
-    grad_accum: int = 1
-    comm_hook: str | None = None  # fp16 | bf16 | powersgd[:RANK]
-    mesh: str | None = None  # hsdp: REPLICATExSHARD, e.g. 2x2
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 4
-    schedule: str = "gpipe"
-    activation_checkpointing: bool = False
-    fsdp_wrap: str = "auto"  # fsdp/hsdp units: auto (blocks) | none (root only) | ClassName[,ClassName]
-
-    @property
-    def wraps_model(self) -> bool:
-        """accelerate wraps the model (DDP or FSDP2); with ``none`` and workbench's own
-        parallelism the model is left as it is, but the rank is still distributed."""
-        return self.strategy in ("ddp", "fsdp") and not self.custom_parallel
-
-    @property
-    def custom_parallel(self) -> bool:
-        """workbench, not accelerate, shards or splits the model (hsdp, tp, pp)."""
-        return self.strategy == "hsdp" or self.tp > 1 or self.pp > 1
-
-    def mesh_shape(self, world_size: int, nodes: int = 1) -> tuple[int, int]:
-        """hsdp's (replicate, shard) sizes: ``--mesh``, or shard inside a node, replicate across nodes."""
-        if self.mesh is None:
-            return (nodes, world_size // nodes) if world_size % nodes == 0 else (1, world_size)
-        replicate, _, shard = self.mesh.lower().partition("x")
-        return int(replicate), int(shard)
-
-    def validate(self, device_type: str, world_size: int | None = None, nodes: int = 1,
-                 backend: str | None = None) -> "CellOptions":
-        """Raise :class:`OptionsError` for a combination that cannot work on ``device_type``
-        (and, when ``world_size`` is given, on that many ranks)."""
-        if self.strategy not in STRATEGIES:
-            raise OptionsError(
-                f"unknown strategy {self.strategy!r}; use one of: {', '.join(STRATEGIES)}"
-            )
-        if self.mixed_precision not in PRECISIONS:
-            raise OptionsError(
-                f"unknown mixed precision {self.mixed_precision!r}; use one of: {', '.join(PRECISIONS)}"
-            )
-        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
-            raise OptionsError(f"--grad-accum must be a whole number >= 1 (got {self.grad_accum!r})")
-        if self.mixed_precision == "fp16" and device_type == "cpu":
-            raise OptionsError(
-                "fp16 mixed precision needs a GPU (it relies on CUDA's grad scaler); "
-                "on CPU use --mixed-precision bf16 or no"
-            )
-        if self.fsdp_wrap != "auto":
-            from .parallel.fsdp import parse_wrap
-
-            parse_wrap(self.fsdp_wrap)
-            if self.strategy not in ("fsdp", "hsdp"):
-                raise OptionsError(f"--fsdp-wrap chooses FSDP units: use it with --strategy fsdp or hsdp "
-                                   f"(not {self.strategy})")
-        check_parallel(self, world_size, nodes, backend)
-        return self
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from .options import CellOptions
 
 
 def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):

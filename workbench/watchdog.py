@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 from .metrics.logger import BEAT_EVERY_S
 
-DEFAULT_HANG_TIMEOUT_S = 300.0
 FROZEN_AFTER_MIN_S = 3 * BEAT_EVERY_S  # a busy 2-core machine delays a beat by a second or more
 MISMATCH_AFTER_S = 5.0
 

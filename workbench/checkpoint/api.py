@@ -25,6 +25,7 @@ import time
 import traceback
 
 from ..errors import CheckpointError
+from ..messages import Restored
 from ..rank import namespace
 from . import layout
 from .state import REGISTERED, CheckpointState
@@ -392,7 +393,7 @@ def maybe_save(every: int, *, async_: bool = True, keep_last: int | None = MAYBE
     return _save(None, async_, layout.Retention(keep_last, periodic_only=True) if keep_last is not None else None)
 
 
-def restore(tag: str = "latest") -> dict:
+def restore(tag: str = "latest") -> Restored:
     """Load checkpoint ``tag`` ('latest', a tag, or a folder) into this rank's prepared objects.
 
     Works into a different world size (DCP reshards). Returns what was restored.
@@ -420,8 +421,8 @@ def restore(tag: str = "latest") -> dict:
         raise CheckpointError(f"checkpoint {manifest.tag!r} could not be loaded: {_describe(exc)}") from None
     restored = state.apply(template)
     logger.step = int(template.get("workbench", {}).get("step", manifest.step))
-    return {"tag": manifest.tag, "step": logger.step, "saved_world_size": manifest.world_size,
-            "world_size": spec.world_size, "restored": restored, "path": path}
+    return Restored(tag=manifest.tag, step=logger.step, saved_world_size=manifest.world_size,
+                    world_size=spec.world_size, restored=restored, path=path)
 
 
 def _check_shapes(template: dict, saved: dict, tag: str) -> None:

@@ -26,7 +26,7 @@ class Checkpoints:
         return layout.checkpoints_dir(self.fleet.run_dir)
 
     def _on_every_rank(self, fn, *args, **kwargs) -> list:
-        ranks = self.fleet._targets(None)
+        ranks = self.fleet.targets(None)
         try:
             result = execution.run_on_ranks(self.fleet, ranks, engine.call, (fn, args, kwargs), show_output=False)
         except execution.DistributedCellError as exc:

@@ -14,12 +14,13 @@ no single rank: :func:`keep` says so and recover loads the latest checkpoint.
 
 from __future__ import annotations
 
+from ..messages import KeptState, Restored
 from .state import CheckpointState, set_rng_state
 
 KEPT: dict | None = None  # this rank's state dict, set aside by keep() until share() or drop()
 
 
-def keep() -> dict | None:
+def keep() -> KeptState | None:
     """Set this rank's prepared state aside; return ``{"step", "replicated", "keys"}``, or
     None when nothing is prepared. Objects prepared on an older process group count
     (the group was rebuilt after the failure that made recovery necessary)."""
@@ -33,10 +34,10 @@ def keep() -> dict | None:
         KEPT = None
         return None
     KEPT = state.state_dict()
-    return {"step": LOGGER.step, "replicated": not _has_shards(KEPT), "keys": sorted(KEPT)}
+    return KeptState(step=LOGGER.step, replicated=not _has_shards(KEPT), keys=sorted(KEPT))
 
 
-def share(src: int) -> dict:
+def share(src: int) -> Restored:
     """Collective: every rank takes rank ``src``'s kept state into its freshly set-up objects."""
     global KEPT
     import torch.distributed as dist
@@ -55,7 +56,7 @@ def share(src: int) -> dict:
         set_rng_state(own[f"rng/{rank}"])
         restored.append("rng")
     LOGGER.step = int(state["workbench"]["step"])
-    return {"step": LOGGER.step, "restored": restored}
+    return Restored(step=LOGGER.step, restored=restored)
 
 
 def drop() -> None:

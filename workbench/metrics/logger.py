@@ -22,6 +22,7 @@ import threading
 import time
 from numbers import Number
 
+from ..messages import Beat, MetricsMessage
 from .comm import CommClock
 from .gpu import GpuProbe
 
@@ -177,11 +178,11 @@ class MetricsLogger:
         with self._lock:
             batch = [self._buffer.popleft() for _ in range(min(MAX_BATCH, len(self._buffer)))]
             dropped = self.dropped
-        message = {
-            "pid": os.getpid(), "rank": STATE.spec.rank if STATE.spec else None, "dropped": dropped,
-            "total": self.total, "memory": memory, "beat": beat,
-            "records": [[t, seq, step, _plain(scalars), _plain(system)] for t, seq, step, scalars, system in batch],
-        }
+        message = MetricsMessage(
+            pid=os.getpid(), rank=STATE.spec.rank if STATE.spec else None, dropped=dropped,
+            total=self.total, memory=memory, beat=beat,
+            records=[[t, seq, step, _plain(scalars), _plain(system)] for t, seq, step, scalars, system in batch],
+        )
         try:
             socket.send(json.dumps(message).encode(), zmq.NOBLOCK)
         except zmq.Again:  # the kernel is behind: keep the records, try again later
@@ -213,7 +214,7 @@ class _Pulse:
         self.changed_at = 0.0
         self.waiting: tuple[int, float] | None = None  # (id of the torch.distributed frame, first seen)
 
-    def beat(self, activity: int, at_cell_start: int, in_user_code: bool, now: float) -> dict:
+    def beat(self, activity: int, at_cell_start: int, in_user_code: bool, now: float) -> Beat:
         if activity != self.activity:
             self.activity, self.changed_at = activity, now
         stalled = now - self.changed_at if in_user_code and activity != at_cell_start else None
@@ -226,8 +227,8 @@ class _Pulse:
         waiting_s = now - self.waiting[1] if self.waiting else None
         wants_stack = (stalled is not None and stalled >= STACK_AFTER_S) or (waiting_s or 0.0) >= STACK_AFTER_S
         stack = _stack(frame) if wants_stack else None
-        return {"stalled_s": stalled, "stack": stack, "busy": in_user_code,
-                "waiting_in": call.f_code.co_name if call else None, "waiting_s": waiting_s}
+        return Beat(stalled_s=stalled, stack=stack, busy=in_user_code,
+                    waiting_in=call.f_code.co_name if call else None, waiting_s=waiting_s)
 
 
 def _main_thread_frame():

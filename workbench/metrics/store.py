@@ -6,6 +6,8 @@ import math
 import threading
 from dataclasses import dataclass, field
 
+from ..messages import MetricsMessage
+
 SYSTEM_FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "comm_s", "rss_mb", "cuda_max_mb",
                  "gpu_util_pct", "gpu_mem_used_mb")
 
@@ -66,7 +68,7 @@ class MetricsStore:
     def __post_init__(self) -> None:
         self.changed = threading.Condition()
 
-    def add(self, message: dict, arrived: float) -> list[Record]:
+    def add(self, message: MetricsMessage, arrived: float) -> list[Record]:
         """Add one sender message; return its records."""
         rank = message["rank"]
         if rank is None and not message["records"]:

@@ -1,0 +1,223 @@
+"""Options, defined once: what ``Fleet(...)`` / ``%fleet start`` and ``%%distributed`` accept.
+
+Each option is a field of a keyword-only dataclass, and the string under a field is its
+documentation: the magics' flags, defaults, choices and ``%fleet?`` help are generated from
+these classes (:mod:`workbench.flags`), in the style of torchtitan's job config. A field's
+``metadata`` says how it appears as a flag where the field name alone does not (``-n``,
+``--no-wandb``, a metavar). Checks that need no running fleet are ``validate`` methods, so
+bad input is a one-line :class:`OptionsError` before anything starts.
+
+Runs on both sides: engines build :class:`CellOptions` from the kernel's dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal, get_args
+
+from .errors import OptionsError
+from .parallel.options import check_parallel
+
+Strategy = Literal["ddp", "fsdp", "hsdp", "none"]
+Precision = Literal["no", "fp16", "bf16"]
+Schedule = Literal["gpipe", "1f1b"]
+Backend = Literal["gloo", "nccl", "mpi"]
+Launcher = Literal["local", "mpi", "slurm", "pbs", "ssh"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+LAUNCHERS: tuple[str, ...] = get_args(Launcher)
+DEFAULT_PG_TIMEOUT_S = 300.0
+DEFAULT_ENGINE_TIMEOUT_S = 120.0
+DEFAULT_HANG_TIMEOUT_S = 300.0
+
+
+def flag(default, *, name: str | None = None, metavar: str | None = None, api_only: bool = False,
+         zero_ok: bool = False, **kwargs):
+    """A field with how it appears as a magic flag: ``name`` (``-n``, ``--no-wandb``; a
+    ``--no-`` flag stores False), ``metavar``, ``api_only`` (no flag: the Python API only),
+    ``zero_ok`` (a number of seconds where 0 means off)."""
+    metadata = {"flag": name, "metavar": metavar, "api_only": api_only, "zero_ok": zero_ok}
+    return field(default=default, metadata=metadata, **kwargs)
+
+
+def _whole(value, name: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise OptionsError(f"{name} must be a whole number >= {minimum} (got {value!r})")
+
+
+def _choice(value, choices: tuple[str, ...], what: str) -> None:
+    if value not in choices:
+        raise OptionsError(f"unknown {what} {value!r}; use one of: {', '.join(choices)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellOptions:
+    """How a ``%%distributed`` cell trains: the Accelerator every rank builds from it (see
+    :mod:`workbench.parallel` for the parallelism fields)."""
+
+    strategy: Strategy = "ddp"
+    """how the model is wrapped: ddp, fsdp (FSDP2, also on CPU), hsdp (shard inside groups, replicate
+    across them) or none (nothing wrapped; the rank is still accelerate's distributed environment)"""
+    mixed_precision: Precision = "no"
+    """autocast precision; fp16 needs a GPU"""
+    grad_accum: int = flag(1, metavar="K")
+    """gradient accumulation steps"""
+    comm_hook: str | None = flag(None, metavar="fp16|bf16|powersgd[:RANK]")
+    """DDP gradient compression with torch's communication hooks"""
+    mesh: str | None = flag(None, metavar="RxS")
+    """hsdp layout REPLICATExSHARD, e.g. 2x2 (default: shard inside a node, replicate across nodes)"""
+    tp: int = flag(1, metavar="N")
+    """tensor-parallel size (a dp x tp mesh; a model's tp_plan, or nn.Linear pairs of an nn.Sequential)"""
+    pp: int = flag(1, metavar="N")
+    """pipeline stages, one per rank (an nn.Sequential cut in N; train with model.train_step)"""
+    microbatches: int = flag(4, metavar="M")
+    """microbatches per pipeline step"""
+    schedule: Schedule = "gpipe"
+    """pipeline schedule"""
+    activation_checkpointing: bool = False
+    """recompute each block's activations in backward"""
+    fsdp_wrap: str = flag("auto", metavar="auto|none|ClassName[,...]")
+    """fsdp/hsdp units: auto (each block, then the root) | none (one unit) | block class names"""
+
+    @property
+    def wraps_model(self) -> bool:
+        """accelerate wraps the model (DDP or FSDP2); with ``none`` and workbench's own
+        parallelism the model is left as it is, but the rank is still distributed."""
+        return self.strategy in ("ddp", "fsdp") and not self.custom_parallel
+
+    @property
+    def custom_parallel(self) -> bool:
+        """workbench, not accelerate, shards or splits the model (hsdp, tp, pp)."""
+        return self.strategy == "hsdp" or self.tp > 1 or self.pp > 1
+
+    def mesh_shape(self, world_size: int, nodes: int = 1) -> tuple[int, int]:
+        """hsdp's (replicate, shard) sizes: ``--mesh``, or shard inside a node, replicate across nodes."""
+        if self.mesh is None:
+            return (nodes, world_size // nodes) if world_size % nodes == 0 else (1, world_size)
+        replicate, _, shard = self.mesh.lower().partition("x")
+        return int(replicate), int(shard)
+
+    def validate(self, device_type: str, world_size: int | None = None, nodes: int = 1,
+                 backend: str | None = None) -> "CellOptions":
+        """Raise :class:`OptionsError` for a combination that cannot work on ``device_type``
+        (and, when ``world_size`` is given, on that many ranks)."""
+        _choice(self.strategy, STRATEGIES, "strategy")
+        _choice(self.mixed_precision, PRECISIONS, "mixed precision")
+        _whole(self.grad_accum, "--grad-accum", 1)
+        if self.mixed_precision == "fp16" and device_type == "cpu":
+            raise OptionsError(
+                "fp16 mixed precision needs a GPU (it relies on CUDA's grad scaler); "
+                "on CPU use --mixed-precision bf16 or no"
+            )
+        if self.fsdp_wrap != "auto":
+            from .parallel.fsdp import parse_wrap
+
+            parse_wrap(self.fsdp_wrap)
+            if self.strategy not in ("fsdp", "hsdp"):
+                raise OptionsError(f"--fsdp-wrap chooses FSDP units: use it with --strategy fsdp or hsdp "
+                                   f"(not {self.strategy})")
+        check_parallel(self, world_size, nodes, backend)
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellCall:
+    """Where and how long one ``%%distributed`` cell runs (not how it trains)."""
+
+    ranks: list[int] | None = flag(None, metavar="0,1")
+    """run on these ranks only"""
+    timeout: float | None = flag(None, metavar="S")
+    """stop the cell after S seconds"""
+    setup: bool = False
+    """record the cell (model, optimizer, data): replayed on every rank after %fleet scale or a recovery"""
+
+
+@dataclass(kw_only=True)
+class FleetOptions:
+    """How a fleet is started: the keyword arguments of ``Fleet(...)`` and the flags of
+    ``%fleet start``."""
+
+    n: int | None = flag(None, name="-n", metavar="N")
+    """number of engines (default: one per GPU, or 2 on CPU)"""
+    gpus: str | list[str] | None = flag(None, metavar="0,2")
+    """GPU ids, one engine each"""
+    cpu: bool = False
+    """CPU engines even if GPUs are visible"""
+    backend: Backend | None = None
+    """process group backend (default: gloo on CPU, nccl on GPU)"""
+    pg_timeout: float = flag(DEFAULT_PG_TIMEOUT_S, metavar="S")
+    """seconds after which a blocked collective fails"""
+    engine_timeout: float = flag(DEFAULT_ENGINE_TIMEOUT_S, metavar="S")
+    """seconds the engines get to start and register"""
+    hang_timeout: float | None = flag(DEFAULT_HANG_TIMEOUT_S, metavar="S", zero_ok=True)
+    """a rank with no heartbeat, or no progress, this many seconds is hung and stopped (0: off)"""
+    auto_recover: bool = False
+    """when an engine dies or hangs in a cell: recover and run the cell again"""
+    max_restarts: int = flag(3, metavar="K")
+    """auto-recover budget"""
+    spares: int = flag(0, metavar="K")
+    """warm engines kept ready outside the group: scale up and recovery take one at once"""
+    memory_limit: str | int | None = flag(None, metavar="SIZE")
+    """per engine, e.g. 4G (CPU: address space; GPU: share of its GPU memory)"""
+    wandb: bool | None = flag(None, name="--no-wandb")
+    """do not log this run to wandb (default: offline wandb when it is installed)"""
+    tensorboard: bool | None = flag(None, name="--no-tensorboard")
+    """do not write TensorBoard event files (default: on when tensorboard is installed)"""
+    runs_dir: str | None = flag(None, metavar="DIR")
+    """where run folders go (default ./workbench-runs)"""
+    launcher: Launcher = "local"
+    """how engines start: here, or through ipyparallel's MPI, Slurm, PBS or SSH launcher"""
+    launcher_options: dict = flag(None, name="--launcher-option", metavar="KEY=VALUE")
+    """an option of the launcher, by its ipyparallel name (repeatable)"""
+    launcher_config: str | None = flag(None, metavar="FILE")
+    """a traitlets config file for the launcher"""
+    partition: str | None = None
+    """batch partition (slurm/pbs)"""
+    time: str | None = None
+    """batch time limit (slurm/pbs)"""
+    account: str | None = None
+    """batch account (slurm/pbs)"""
+    qos: str | None = None
+    """batch quality of service (slurm/pbs)"""
+    profile: str | None = flag(None, metavar="NAME")
+    """attach to a running ipcluster of this profile"""
+    cluster_id: str | None = flag(None, metavar="ID")
+    """attach to the running ipcluster with this id"""
+    progress: bool = flag(True, api_only=True)
+    """show a progress line while the fleet starts, scales and recovers"""
+
+    @property
+    def attached(self) -> bool:
+        """The engines are those of an ipcluster that is already running (not ours)."""
+        return self.profile is not None or self.cluster_id is not None
+
+    def batch_options(self) -> dict:
+        """``launcher_options`` plus the batch shortcuts that were set."""
+        shortcuts = {k: getattr(self, k) for k in ("partition", "time", "account", "qos") if getattr(self, k)}
+        return {**(self.launcher_options or {}), **shortcuts}
+
+    def validate(self) -> "FleetOptions":
+        """Raise :class:`OptionsError` for a value that cannot work (one line, nothing started)."""
+        if self.backend is not None and self.backend not in BACKENDS and ":" not in self.backend:
+            raise OptionsError(f"unknown backend {self.backend!r}; use one of: {', '.join(BACKENDS)}")
+        if self.pg_timeout <= 0:
+            raise OptionsError(f"--pg-timeout must be a positive number of seconds (got {self.pg_timeout})")
+        _whole(self.max_restarts, "--max-restarts", 0)
+        _whole(self.spares, "--spares", 0)
+        if self.hang_timeout is not None and self.hang_timeout < 0:
+            raise OptionsError(f"--hang-timeout must be >= 0 seconds, 0 to turn it off (got {self.hang_timeout})")
+        _choice(self.launcher, LAUNCHERS, "launcher")
+        if self.launcher != "local" or self.attached:
+            if self.gpus:
+                raise OptionsError("--gpus picks GPUs of this machine; with a cluster launcher the scheduler "
+                                   "assigns them (each engine takes the GPU of its local rank)")
+            if self.n is None and not self.attached:
+                raise OptionsError(f"--launcher {self.launcher} needs -n (how many engines to start)")
+            if self.n is not None:
+                _whole(self.n, "-n", 1)
+        return self

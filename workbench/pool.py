@@ -1,0 +1,402 @@
+"""The engine pool: which ipyparallel engine is which rank, the warm spares, and launching,
+replacing and removing engines. Kernel side; :class:`workbench.Fleet` coordinates it.
+
+Each rank is its own ipyparallel engine set, so that every engine gets its own
+environment (``CUDA_VISIBLE_DEVICES`` with exactly one GPU) and can be stopped or
+replaced alone. Local engines fork from the engine template (:mod:`workbench.template`).
+The processes behind the pool (controller, template, reaper) are :mod:`workbench.processes`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+from . import rendezvous
+from .devices import EngineSlot, visible_gpus
+from .errors import FleetError, OptionsError
+from .messages import Identity
+from .output import ProgressLine
+from .processes import CONTROLLER_TIMEOUT_S, HUB_SILENT_S, Processes, alive, exit_status, process_trees
+
+EXIT_GRACE_S = 5.0  # an engine whose launcher says it exited gets this long to show up registered
+
+
+@dataclass
+class Member:
+    """One rank of the fleet (or a spare, rank -1) and the engine that runs it."""
+
+    rank: int
+    slot: EngineSlot
+    engine_id: int
+    pid: int
+    host: str
+    engine_set: str
+    device: str = "cpu"
+
+
+class EnginePool:
+    """The fleet's engines: ``members`` (rank order), ``spares`` (warm, outside the group) and
+    the client that reaches them. ``on_new_engines(engine_ids)`` is called for every engine
+    that becomes a rank or a spare (the fleet attaches it to the run)."""
+
+    def __init__(self, processes: Processes, slots: list[EngineSlot], device_type: str,
+                 engine_timeout: float, on_new_engines: Callable[[list[int]], None]) -> None:
+        self.processes = processes
+        self.slots = slots
+        self.device_type = device_type
+        self.engine_timeout = engine_timeout
+        self.on_new_engines = on_new_engines
+        self.members: list[Member] = []
+        self.spares: list[Member] = []
+        self.pending_spares: dict[str, EngineSlot] = {}  # engine set -> slot, not registered yet
+        # extra environment of the engine of a slot: e.g. WORKBENCH_HOSTNAME to simulate nodes in tests
+        self.slot_environment: dict[int, dict[str, str]] = {}
+        self.client = None
+        self._identities: dict[int, Identity] = {}  # engine id -> rendezvous.identify()
+        self._dead_engines: set[int] = set()  # replaced engines (the hub may list a dead one for a while)
+        self._views: tuple = (None, {})  # (client, {engine id: its view}): see view()
+        self._set_counter = 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def member(self, rank: int) -> Member:
+        return self.members[rank]
+
+    def engine_ids(self, ranks: list[int] | None = None) -> list[int]:
+        return [self.member(r).engine_id for r in (ranks if ranks is not None else range(self.world_size))]
+
+    def view(self, engine_id: int):
+        """The one-engine view of ``engine_id`` (kept: building one costs ~0.1 ms per cell and rank;
+        engine ids are never reused, and a new client starts a new cache)."""
+        client, views = self._views
+        if client is not self.client:
+            views = {}
+            self._views = (self.client, views)
+        if engine_id not in views:
+            views[engine_id] = self.client[engine_id]
+        return views[engine_id]
+
+    def record_pids(self) -> None:
+        self.processes.record_pids([m.pid for m in self.members + self.spares])
+
+    # ------------------------------------------------------------------ starting engines
+    def start(self, progress: ProgressLine, started: float) -> None:
+        """Launch an engine for every slot and make them the ranks (slot order)."""
+        sets = {self.launch(slot): slot for slot in self.slots}
+        self.client = self.processes.cluster.connect_client_sync()
+        self.wait_for(sets, progress, started)
+        self.map_members(sets)
+
+    def launch(self, slot: EngineSlot) -> str:
+        """Start the engine of ``slot``; returns its engine set id (it registers later)."""
+        env = {
+            **self.processes.launcher.environment(),
+            "WORKBENCH_SLOT": str(slot.slot),
+            "OMP_NUM_THREADS": os.environ.get(
+                "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.slots)))
+            ),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if slot.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = slot.gpu
+        env.update(self.slot_environment.get(slot.slot, {}))
+        self._set_counter += 1
+        set_id = f"slot{slot.slot}-{self._set_counter}"
+        self.processes.cluster.start_engines_sync(n=1, engine_set_id=set_id, environment=env)
+        self.record_pids()  # before it registers: a kill of the kernel now must not orphan it
+        return set_id
+
+    def _identify_new(self) -> None:
+        """Ask engines that registered since the last call who they are (slot, pid, host)."""
+        new = [e for e in self.client.ids if e not in self._identities]
+        if new:
+            self._identities.update(zip(new, self.client[new].apply_sync(rendezvous.identify), strict=True))
+
+    def _unassigned(self) -> dict[int, tuple[int, Identity]]:
+        """Registered engines that are neither a rank nor a spare, by launch slot."""
+        taken = {m.engine_id for m in self.members + self.spares} | self._dead_engines
+        registered = set(self.client.ids)
+        return {info["slot"]: (e, info) for e, info in self._identities.items()
+                if e in registered and e not in taken}
+
+    def wait_for(self, sets: dict[str, EngineSlot], progress: ProgressLine, started: float) -> None:
+        """Wait until the engines of ``sets`` have registered; one-line errors if one exits or time runs out."""
+        deadline = time.monotonic() + self.engine_timeout
+        exited: dict[int, float] = {}  # slot -> when its launcher first said the engine exited
+        while True:
+            self._identify_new()
+            up = set(self._unassigned())
+            if all(slot.slot in up for slot in sets.values()):
+                return
+            for set_id, slot in sets.items():
+                launcher = self.processes.cluster.engines.get(set_id)
+                if slot.slot not in up and launcher is not None and launcher.stop_data:
+                    # the launcher can report an exit while the engine's registration is still reaching
+                    # this client (seen on a loaded machine: "Completed registration" as its last line)
+                    exited.setdefault(slot.slot, time.monotonic())
+                    if time.monotonic() - exited[slot.slot] < EXIT_GRACE_S:
+                        continue
+                    log = self.processes.engine_log(set_id).strip().splitlines()
+                    last = log[-1] if log else "no output"
+                    raise FleetError(f"the engine for rank slot {slot.slot} exited while starting: {last}")
+            count = sum(slot.slot in up for slot in sets.values())
+            if time.monotonic() > deadline:
+                raise FleetError(
+                    f"only {count} of {len(sets)} engines registered within {self.engine_timeout:.0f} s; "
+                    "the machine may be overloaded: try again, or pass a larger engine_timeout"
+                )
+            progress.show(f"fleet: starting engines {count}/{len(sets)} ({time.monotonic() - started:.0f} s)…",
+                          key=count)
+            time.sleep(0.1)
+
+    def map_members(self, sets: dict[str, EngineSlot]) -> None:
+        """Match new engines to their slots and give every engine its rank (slot order)."""
+        unassigned = self._unassigned()
+        new_ids = []
+        for set_id, slot in sets.items():
+            if slot.slot not in unassigned:  # it registered, then died before it got its rank
+                raise FleetError(f"the engine for rank slot {slot.slot} exited right after starting; try again")
+            engine_id, info = unassigned[slot.slot]
+            self.members.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
+            new_ids.append(engine_id)
+        self._renumber()
+        self.on_new_engines(new_ids)
+
+    def _renumber(self) -> None:
+        """Ranks in slot order, grouped by host (a host's ranks are consecutive, as torchrun numbers them)."""
+        first_slot: dict[str, int] = {}
+        for member in self.members:
+            first_slot[member.host] = min(first_slot.get(member.host, member.slot.slot), member.slot.slot)
+        self.members.sort(key=lambda m: (first_slot[m.host], m.slot.slot))
+        for rank, member in enumerate(self.members):
+            member.rank = rank
+        self.record_pids()
+
+    def attach(self, wanted: int) -> None:
+        """Make the engines of the running ipcluster the ranks (``wanted``: how many; 0: all)."""
+        cluster = self.processes.cluster
+        self.client = cluster.connect_client_sync()
+        # without -n: every engine the cluster was started with (a daemonized ipcluster returns
+        # before they all register), else those registered by the deadline
+        started = sum(getattr(s, "n", 0) or 0 for s in cluster.engines.values()) or cluster.n or 1
+        wanted = wanted or started
+        deadline = time.monotonic() + self.engine_timeout
+        while len(self.client.ids) < wanted:
+            if time.monotonic() > deadline:
+                if self.slots or not self.client.ids:
+                    raise FleetError(f"the cluster has {len(self.client.ids)} engines registered, fewer than asked")
+                print(f"fleet: {len(self.client.ids)} of the cluster's {started} engines registered in "
+                      f"{self.engine_timeout:g} s; using those", file=sys.stderr)
+                break
+            time.sleep(0.1)
+        self._identify_new()
+        ids = sorted(self._identities)[: len(self.slots) or None]
+        for i, engine_id in enumerate(ids):
+            info = self._identities[engine_id]
+            self.members.append(Member(-1, EngineSlot(i), engine_id, info["pid"], info["host"], ""))
+        self._renumber()
+        self.on_new_engines(ids)
+
+    # ------------------------------------------------------------------ spares
+    def new_slots(self, count: int) -> list[EngineSlot]:
+        """Slots for ``count`` more engines: the next slot numbers, and GPUs not in use
+        (by a rank, a spare, or a spare still starting)."""
+        used = [m.slot for m in self.members + self.spares] + list(self.pending_spares.values())
+        first = max(s.slot for s in used) + 1 if used else 0
+        if self.device_type == "cpu":
+            return [EngineSlot(first + i) for i in range(count)]
+        busy = {s.gpu for s in used}
+        free = [g for g in visible_gpus() if g not in busy]
+        if len(free) < count:
+            raise OptionsError(
+                f"scaling needs {count} more GPUs but only {len(free)} visible GPU(s) are free "
+                f"({', '.join(free) or 'none'}); one engine per GPU"
+            )
+        return [EngineSlot(first + i, free[i]) for i in range(count)]
+
+    def launch_spares(self, count: int) -> None:
+        """Start ``count`` spare engines in the background (as many as free GPUs allow)."""
+        if count <= 0:
+            return
+        try:
+            slots = self.new_slots(count)
+        except OptionsError as exc:
+            print(f"workbench: no spare engine started: {exc}", file=sys.stderr)
+            return
+        for slot in slots:
+            self.pending_spares[self.launch(slot)] = slot
+        self.record_pids()
+
+    def adopt_spares(self) -> list[int]:
+        """Take spare engines that have registered since; drop spares that died. Returns the
+        engine ids adopted (the caller warms them)."""
+        if not self.pending_spares and not self.spares:
+            return []
+        self._identify_new()
+        registered = set(self.client.ids)
+        self.spares = [m for m in self.spares if m.engine_id in registered]
+        unassigned = self._unassigned()
+        adopted = []
+        for set_id, slot in list(self.pending_spares.items()):
+            if slot.slot in unassigned:
+                engine_id, info = unassigned[slot.slot]
+                self.spares.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
+                adopted.append(engine_id)
+                del self.pending_spares[set_id]
+        if adopted:
+            self.record_pids()
+            self.on_new_engines(adopted)
+        return adopted
+
+    def _take_spares(self, slots: list[EngineSlot]) -> list[EngineSlot]:
+        """Give ``slots`` to warm spares where there are some; return the slots left over."""
+        self.adopt_spares()
+        taken = 0
+        while slots and self.spares:
+            spare, slot = self.spares.pop(0), slots[0]
+            slots = slots[1:]
+            spare.slot = EngineSlot(slot.slot, spare.slot.gpu)  # the rank's place; the spare's own GPU
+            self.members.append(spare)
+            taken += 1
+        if taken:
+            self._renumber()
+            self.launch_spares(taken)
+        return slots
+
+    def spare_status(self) -> dict:
+        """Warm spare engines (ready to take a rank) and spares still starting."""
+        return {"ready": [{"engine": m.engine_id, "pid": m.pid, "host": m.host} for m in self.spares],
+                "starting": len(self.pending_spares)}
+
+    # ------------------------------------------------------------------ changing the ranks
+    def launch_cold(self, slots: list[EngineSlot]) -> dict[str, EngineSlot]:
+        """Start engines now for the ``slots`` that no warm spare will take, so that they start
+        while the caller does other work (a rescale's checkpoint); :meth:`add_engines` adds them."""
+        self.adopt_spares()
+        return {self.launch(slot): slot for slot in slots[len(self.spares):]}
+
+    def add_engines(self, slots: list[EngineSlot], launched: dict[str, EngineSlot] | None = None) -> None:
+        """Make ``slots`` ranks: warm spares first, else new engines (``launched``: already started
+        by :meth:`launch_cold`)."""
+        launched = dict(launched or {})
+        waiting = set(launched.values())
+        left = self._take_spares([slot for slot in slots if slot not in waiting])
+        sets = {**launched, **{self.launch(slot): slot for slot in left}}
+        if sets:
+            self.wait_for(sets, ProgressLine(False), time.monotonic())
+            self.map_members(sets)
+
+    def remove_ranks(self, ranks: list[int]) -> None:
+        """Stop the engines of ``ranks`` for good (scale down)."""
+        doomed = [self.member(r) for r in ranks]
+        for member in doomed:
+            try:
+                self.client.shutdown(targets=[member.engine_id], block=True)
+            except Exception:
+                pass
+            self.processes.stop_engine_set(member.engine_set)
+        gone = {m.engine_id for m in doomed}
+        self.members = [m for m in self.members if m.engine_id not in gone]
+        psutil.wait_procs(process_trees([m.pid for m in doomed]), timeout=5)
+        self._renumber()
+
+    def replace(self, ranks: list[int]) -> None:
+        """Kill the engines of ``ranks`` and start fresh ones (empty namespaces) in their slots."""
+        dead = [self.member(r) for r in ranks]
+        for member in dead:
+            try:
+                self.processes.cluster.signal_engines_sync(signal.SIGKILL, member.engine_set)
+            except Exception:
+                pass
+        gone = {m.engine_id for m in dead}
+        self._dead_engines |= gone  # never matched to a slot again, even while the hub still lists them
+        deadline = time.monotonic() + 15
+        while gone & set(self.client.ids) and time.monotonic() < deadline:
+            if set(self.gone_ranks(ranks)) == set(ranks):
+                break  # their processes are gone: no need to wait for the hub to notice
+            time.sleep(0.05)
+        for member in dead:
+            self.processes.stop_engine_set(member.engine_set)
+        self.members = [m for m in self.members if m.engine_id not in gone]
+        self.add_engines([m.slot for m in dead])
+
+    # ------------------------------------------------------------------ signals and health
+    def signal(self, ranks: list[int], sig: int) -> None:
+        """Send ``sig`` to the engines of ``ranks``: by pid on this host (no round trip, and it works
+        when an engine's nanny is dead), through the nanny for other hosts (bounded wait)."""
+        remote = []
+        for rank in ranks:
+            member = self.member(rank)
+            if member.host != socket.gethostname():
+                remote.append(rank)
+                continue
+            try:
+                os.kill(member.pid, sig)
+            except OSError:
+                pass  # gone already: the death is handled by the cell's repair
+        if remote:
+            future = self.client.send_signal(sig, targets=self.engine_ids(remote), block=False)
+            concurrent.futures.wait([future], timeout=CONTROLLER_TIMEOUT_S)
+
+    def dead_ranks(self, settle_s: float = 2.0) -> list[int]:
+        """Ranks whose engine is gone (its process ended) or unreachable (the hub unregistered it
+        after HUB_SILENT_S without heartbeats), after letting the hub notice a death.
+        :meth:`loss` says which."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            registered = set(self.client.ids)
+            dead = [m.rank for m in self.members if m.engine_id not in registered]
+            gone = self.gone_ranks(list(range(self.world_size)))
+            if set(gone) <= set(dead) or time.monotonic() > deadline:
+                return sorted(set(dead) | set(gone))
+            time.sleep(0.05)
+
+    def gone_ranks(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` whose engine ran on this host and whose process has ended."""
+        here = socket.gethostname()
+        return [r for r in ranks if self.member(r).host == here and not alive(self.member(r).pid)]
+
+    def loss(self, rank: int) -> tuple[str, str]:
+        """Why rank ``rank``'s engine is lost: a headline (``rank 1 died (engine 3, pid 123, SIGKILL)``)
+        and an explanation. A live process the controller lost contact with (a starved machine)
+        is never called dead."""
+        m = self.member(rank)
+        who = f"engine {m.engine_id}, pid {m.pid}"
+        if m.host == socket.gethostname() and alive(m.pid):
+            return (f"rank {rank} lost contact ({who}, process alive)",
+                    f"the controller lost contact with rank {rank} ({who}): its process is alive but sent "
+                    f"no heartbeat for {HUB_SILENT_S} s (the machine may be overloaded)")
+        how = exit_status(self.processes, m.engine_set, m.pid)
+        return (f"rank {rank} died ({who}{', ' + how if how else ''})",
+                f"the engine of rank {rank} ({who}) died{f' ({how})' if how else ''}: its process vanished without "
+                "a Python error (killed by a signal such as SIGKILL or the OOM killer, or crashed)")
+
+    def queue_status(self, timeout_s: float = CONTROLLER_TIMEOUT_S) -> dict:
+        """``client.queue_status()`` with a bound: ipyparallel's waits forever for a controller
+        that was killed or is frozen."""
+        client = self.client
+        future = client._send(client._query_stream, "queue_request", content={"targets": None, "verbose": False})
+        if not future.wait(timeout_s):
+            raise FleetError(f"the controller did not answer within {timeout_s:g} s (killed or frozen?); "
+                             "%fleet stop, then %fleet start")
+        content = future.result()["content"]
+        if content.pop("status") != "ok":
+            return {}
+        return {int(k): v for k, v in content.items() if k.isdigit()}
+
+    # ------------------------------------------------------------------ the end
+    def close(self) -> None:
+        """Forget every engine (the caller stops their processes)."""
+        self.client, self.members, self.spares = None, [], []
+        self.pending_spares, self._identities, self._dead_engines = {}, {}, set()
