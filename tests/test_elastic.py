@@ -178,7 +178,7 @@ def test_an_engine_killed_during_scale_is_replaced_and_the_scale_completes(elast
 
 
 def test_a_live_engine_is_never_reported_dead(elastic):
-    headline, cause = elastic.loss(0)  # what a rank the hub unregistered while its process lives is told
+    headline, cause = elastic.pool.loss(0)  # what a rank the hub unregistered while its process lives is told
     assert headline == f"rank 0 lost contact (engine {elastic.member(0).engine_id}, pid {elastic.member(0).pid}, process alive)"
     assert "lost contact with rank 0" in cause and "process is alive" in cause and "died" not in cause
 
