@@ -99,9 +99,9 @@ def test_two_simulated_nodes_get_node_ranks_local_ranks_and_a_grouped_status():
         assert fleet.run("local_rank", show_output=False) == [0, 1, 0, 1]
         assert fleet.run("import torch; t = torch.ones(1); torch.distributed.all_reduce(t); t.item()",
                          show_output=False) == [4.0] * 4, "the group spans both nodes (TCP rendezvous)"
-        from workbench.magics import _status_table
+        from workbench.status import status_table
 
-        table = _status_table(fleet.status())
+        table = status_table(fleet.status())
         assert "node 0: node-a (2 ranks)" in table and "node 1: node-b (2 ranks)" in table
         assert table.index("node-a (2") < table.index("node 1")
 

@@ -9,8 +9,8 @@ import typing
 import pytest
 
 from workbench import CellOptions, Fleet, FleetOptions, OptionsError
-from workbench.flags import field_docs, options_from
-from workbench.magics import WorkbenchMagics, _distributed_parser, _fleet_parser
+from workbench.flags import distributed_parser, field_docs, fleet_parser, options_from
+from workbench.magics import WorkbenchMagics
 from workbench.options import CellCall
 
 OPTION_CLASSES = (FleetOptions, CellOptions, CellCall)
@@ -32,20 +32,20 @@ def _flag_fields(cls):
 
 
 def test_an_empty_line_gives_the_dataclass_defaults():
-    start = _fleet_parser().parse_args(["start"])
+    start = fleet_parser().parse_args(["start"])
     start.launcher_options = start.launcher_options or None
     assert options_from(start, FleetOptions) == FleetOptions()
-    cell = _distributed_parser().parse_args([])
+    cell = distributed_parser().parse_args([])
     assert options_from(cell, CellOptions) == CellOptions()
     assert options_from(cell, CellCall) == CellCall()
 
 
 def test_flags_parse_into_the_fields():
-    args = _distributed_parser().parse_args(["--strategy", "fsdp", "--tp", "2", "--activation-checkpointing",
+    args = distributed_parser().parse_args(["--strategy", "fsdp", "--tp", "2", "--activation-checkpointing",
                                              "--ranks", "0,1", "--timeout", "5", "--setup"])
     assert options_from(args, CellOptions) == CellOptions(strategy="fsdp", tp=2, activation_checkpointing=True)
     assert options_from(args, CellCall) == CellCall(ranks=[0, 1], timeout=5.0, setup=True)
-    args = _fleet_parser().parse_args(["start", "-n", "3", "--no-wandb", "--hang-timeout", "0", "--spares", "1"])
+    args = fleet_parser().parse_args(["start", "-n", "3", "--no-wandb", "--hang-timeout", "0", "--spares", "1"])
     options = options_from(args, FleetOptions)
     assert (options.n, options.wandb, options.hang_timeout, options.spares) == (3, False, 0.0, 1)
 

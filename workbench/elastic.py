@@ -105,6 +105,18 @@ def _teardown(fleet) -> None:
     fleet.client[fleet.engine_ids()].apply_sync(rendezvous.leave)
 
 
+def auto_recover(fleet, what: str, again: bool = False) -> bool:
+    """With ``--auto-recover`` and restarts left: say ``what`` happened, recover, return True
+    (``again``: the caller runs the interrupted cell again)."""
+    if not (fleet.auto_recover and fleet.restarts < fleet.max_restarts):
+        return False
+    fleet.restarts += 1
+    print(f"workbench: auto-recover {fleet.restarts}/{fleet.max_restarts}: {what}; recovering (a survivor's state "
+          f"or the latest checkpoint){' and running the cell again' if again else ''}", file=sys.stderr, flush=True)
+    fleet.recover()
+    return True
+
+
 def recover(fleet, shrink: bool = False) -> dict:
     """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
     the process group, replay the setup cells on every rank, then give every rank the

@@ -1,4 +1,5 @@
-"""Magic flags generated from the option dataclasses of :mod:`workbench.options`.
+"""Magic flags generated from the option dataclasses of :mod:`workbench.options`, and the
+parser the magics use (:class:`MagicParser`: one-line errors, did-you-mean, generated help).
 
 A field becomes ``--field-name`` (or its ``flag`` metadata), its docstring the help, its
 default and ``Literal`` choices are shown; a parsed line becomes the dataclass again.
@@ -10,11 +11,64 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
+import re
+import shlex
 import textwrap
 import types
 import typing
+
+from IPython.core.error import UsageError
+
+from .options import CellCall, CellOptions, FleetOptions
+
+
+class MagicParser(argparse.ArgumentParser):
+    """argparse that reports errors as one-line UsageErrors instead of exiting, suggests the
+    nearest sub-command or flag for a typo, and answers ``-h``/``--help`` with help generated
+    from the parser (:meth:`parse_line`)."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}{self._did_you_mean(message)} (see {self.prog.split()[0]} -h)")
+
+    def parse_line(self, line: str) -> argparse.Namespace | None:
+        """Parse a magic's line; with ``-h``/``--help`` print the help instead and return None."""
+        tokens = shlex.split(line)
+        if "-h" in tokens or "--help" in tokens:
+            print(self.help_text(tokens[0] if tokens else None))
+            return None
+        return self.parse_args(tokens)
+
+    def help_text(self, command: str | None = None) -> str:
+        """Usage and every flag with its help; one sub-command's if ``command`` names one."""
+        commands = self._commands()
+        if command in commands:
+            return commands[command].format_help().rstrip()
+        return "\n\n".join([self.format_help().rstrip(), *(p.format_help().rstrip() for p in commands.values())])
+
+    def _commands(self) -> dict[str, "MagicParser"]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    def _did_you_mean(self, message: str) -> str:
+        if match := re.search(r"invalid choice: '([^']*)'", message):
+            candidates = list(self._commands())
+        elif match := re.search(r"unrecognized arguments: (\S+)", message):
+            candidates = [flag for parser in [self, *self._commands().values()]
+                          for flag in parser._option_string_actions]
+        else:
+            return ""
+        close = difflib.get_close_matches(match.group(1), candidates, n=1, cutoff=0.6)
+        return f"; did you mean {close[0]!r}?" if close else ""
+
+    def exit(self, status=0, message=None):
+        if message:
+            raise UsageError(message.strip())
+        raise UsageError(self.format_help())
 
 
 @functools.cache
@@ -97,3 +151,65 @@ def options_from(args: argparse.Namespace, cls, **extra):
     """The ``cls`` instance a parsed line asked for (its fields that have a flag, plus ``extra``)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     return cls(**values, **extra)
+
+
+count = number(int, "a whole number, e.g. 2")
+
+
+@functools.cache  # built once: argparse costs ~0.6 ms per build, every cell parses
+def fleet_parser() -> MagicParser:
+    parser = MagicParser(prog="%fleet", add_help=False)
+    sub = parser.add_subparsers(dest="command", parser_class=MagicParser)
+    start = sub.add_parser("start", prog="%fleet start", add_help=False)
+    add_flags(start, FleetOptions)
+    sub.add_parser("status", prog="%fleet status", add_help=False)
+    scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
+    scale.add_argument("n", type=count, help="the new number of ranks")
+    recover = sub.add_parser("recover", prog="%fleet recover", add_help=False)
+    recover.add_argument("--shrink", action="store_true", help="go on without the lost ranks")
+    sub.add_parser("stop", prog="%fleet stop", add_help=False)
+    pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
+    pull.add_argument("name", help="the name on the rank; bound to the same name in the kernel")
+    pull.add_argument("--rank", type=int, default=0, help="the rank to copy from (default 0)")
+    export = sub.add_parser("export", prog="%fleet export", add_help=False,
+                            description="the --setup cells and the last training cell as a script for torchrun / "
+                                        "accelerate launch (plus an sbatch file with --launcher slurm)")
+    export.add_argument("path", help="the script to write, e.g. train.py")
+    export.add_argument("--force", action="store_true", help="overwrite the files if they exist")
+    push = sub.add_parser("push", prog="%fleet push", add_help=False)
+    push.add_argument("assignments", nargs="+", help="name=expression, evaluated in the kernel")
+    return parser
+
+
+@functools.cache
+def distributed_parser() -> MagicParser:
+    parser = MagicParser(prog="%%distributed", add_help=False)
+    add_flags(parser, CellOptions)
+    add_flags(parser, CellCall)
+    return parser
+
+
+@functools.cache
+def checkpoint_parser() -> MagicParser:
+    parser = MagicParser(prog="%checkpoint", add_help=False)
+    sub = parser.add_subparsers(dest="command", parser_class=MagicParser)
+    save = sub.add_parser("save", prog="%checkpoint save", add_help=False)
+    save.add_argument("--tag", default=None, help="checkpoint name (default step-<workbench.step>)")
+    save.add_argument("--async", dest="async_", action="store_true",
+                      help="return once the state is copied; write in the background")
+    save.add_argument("--keep-last", type=count, default=None, help="then delete all but the newest K complete checkpoints")
+    sub.add_parser("list", prog="%checkpoint list", add_help=False)
+    restore = sub.add_parser("restore", prog="%checkpoint restore", add_help=False)
+    restore.add_argument("tag", nargs="?", default="latest", help="TAG, latest (default) or a checkpoint folder")
+    rm = sub.add_parser("rm", prog="%checkpoint rm", add_help=False)
+    rm.add_argument("tag", help="the checkpoint to delete")
+    sub.add_parser("wait", prog="%checkpoint wait", add_help=False)
+    return parser
+
+
+@functools.cache
+def metrics_parser() -> MagicParser:
+    parser = MagicParser(prog="%metrics", add_help=False)
+    parser.add_argument("--summary", action="store_true", help="text summary of the whole run: last/min/mean per rank")
+    parser.add_argument("--path", action="store_true", help="where the run's metrics.jsonl, wandb run, TensorBoard files and logs are")
+    return parser

@@ -14,8 +14,6 @@ Its options are :class:`workbench.options.FleetOptions` (the same as ``%fleet st
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import sys
 import time
 from collections.abc import Callable
@@ -30,27 +28,11 @@ from .metrics.live import FleetMetrics
 from .options import CellOptions, FleetOptions
 from .output import ProgressLine
 from .pool import EnginePool, Member
-from .processes import Processes, resident_memory
+from .processes import Processes
 from .ranklogs import RankLogs
 from .runs import new_run_dir
 
 __all__ = ["Fleet", "FleetOptions", "Member"]
-
-
-def _fleet_options(n: int | None, options: FleetOptions | None, kwargs: dict) -> FleetOptions:
-    """``Fleet(n, **kwargs)`` or ``Fleet(options=...)`` as validated options (an unknown
-    keyword is a one-line error with the nearest option's name)."""
-    names = [f.name for f in dataclasses.fields(FleetOptions)]
-    for key in kwargs:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            raise OptionsError(f"Fleet() has no option {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
-                               + f" (options: {', '.join(names)})")
-    if options is not None:
-        options = dataclasses.replace(options, **({"n": n} if n is not None else {}), **kwargs)
-    else:
-        options = FleetOptions(n=n, **kwargs)
-    return options.validate()
 
 
 class Fleet:
@@ -65,7 +47,7 @@ class Fleet:
     """
 
     def __init__(self, n: int | None = None, *, options: FleetOptions | None = None, **kwargs: Any) -> None:
-        self.options = options = _fleet_options(n, options, kwargs)
+        self.options = options = FleetOptions.build(n, options, kwargs)
         gpus = parse_gpu_list(options.gpus) if isinstance(options.gpus, str) else options.gpus
         self.launcher = LauncherSpec(options.launcher, options.batch_options(), options.launcher_config)
         self.attached = options.attached  # an ipcluster that is not ours
@@ -308,14 +290,12 @@ class Fleet:
             result = execution.run_on_ranks(self, targets, engine.run_cell, args, timeout=timeout,
                                             show_output=show_output, title=name)
         except execution.DistributedCellError as exc:
-            if not (self.auto_recover and (exc.dead or exc.hung) and self.restarts < self.max_restarts):
-                raise
-            self.restarts += 1
+            from .elastic import auto_recover
+
             what = (f"the engine of rank {','.join(map(str, exc.dead))} died" if exc.dead
                     else f"rank {','.join(map(str, exc.hung))} hung")
-            print(f"workbench: auto-recover {self.restarts}/{self.max_restarts}: {what} during the cell; recovering "
-                  "(a survivor's state or the latest checkpoint) and running the cell again", file=sys.stderr, flush=True)
-            self.recover()
+            if not ((exc.dead or exc.hung) and auto_recover(self, f"{what} during the cell", again=True)):
+                raise
             return self.execute(code, options, ranks=ranks, timeout=timeout, return_value=return_value,
                                 show_output=show_output, setup=setup)
         if setup:
@@ -334,14 +314,10 @@ class Fleet:
 
     def recover_if_dead(self) -> None:
         """An engine that died between cells: recover (with --auto-recover) or say what to do."""
+        from .elastic import auto_recover
+
         dead = self.pool.dead_ranks(settle_s=0.0)
-        if not dead:
-            return
-        if self.auto_recover and self.restarts < self.max_restarts:
-            self.restarts += 1
-            print(f"workbench: auto-recover {self.restarts}/{self.max_restarts}: the engine of rank "
-                  f"{','.join(map(str, dead))} died; recovering (a survivor's state or the latest checkpoint)", file=sys.stderr, flush=True)
-            self.recover()
+        if not dead or auto_recover(self, f"the engine of rank {','.join(map(str, dead))} died"):
             return
         causes = "; ".join(self.pool.loss(r)[1] for r in dead)
         raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, gives every "
@@ -431,29 +407,11 @@ class Fleet:
         self.targets(None)
         self.client[self.engine_ids()].apply_sync(engine.push, values)
 
-    # ------------------------------------------------------------------ status
     def status(self) -> list[dict]:
-        """One row per rank: rank, engine id, pid, host, device, state, memory."""
+        """One row per rank: rank, engine id, pid, host, device, state, memory (:mod:`workbench.status`)."""
+        from .status import status_rows
+
         if not self.running:
             return []
         self._adopt_spares()
-        alive = set(self.client.ids)
-        queues = self.pool.queue_status()
-        states = {}
-        for m in self.members:
-            states[m.rank] = "dead"
-            if m.engine_id in alive:
-                states[m.rank] = "busy" if queues.get(m.engine_id, {}).get("queue", 0) else "idle"
-        idle = [m for m in self.members if states[m.rank] == "idle"]
-        asked = {m.rank: self.client[m.engine_id].apply_async(engine.memory_report) for m in idle}
-        rows = []
-        for m in self.members:
-            try:
-                memory = asked[m.rank].get(timeout=2) if m.rank in asked else resident_memory(m.host, m.pid)
-            except Exception:
-                memory = resident_memory(m.host, m.pid)
-            rows.append({
-                "rank": m.rank, "engine": m.engine_id, "pid": m.pid, "host": m.host,
-                "device": m.device, "state": states[m.rank], "memory": memory,
-            })
-        return rows
+        return status_rows(self.pool)

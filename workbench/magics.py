@@ -8,22 +8,19 @@ each distinct rank traceback once.
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import difflib
 import functools
-import re
-import shlex
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from .errors import WorkbenchError
 from .execution import DistributedCellError
-from .flags import add_flags, number, options_from
+from .flags import checkpoint_parser, distributed_parser, fleet_parser, metrics_parser, options_from
 from .fleet import Fleet
 from .options import CellCall, CellOptions, FleetOptions
 from .ranklogs import logs_dir
+from .status import status_table
 
 
 class FleetSession:
@@ -72,88 +69,6 @@ def current_metrics():
     return session.current_metrics() if session is not None else None
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one-line UsageErrors instead of exiting, suggests the
-    nearest sub-command or flag for a typo, and answers ``-h``/``--help`` with help generated
-    from the parser (:meth:`parse_line`)."""
-
-    def error(self, message):
-        raise UsageError(f"{self.prog}: {message}{self._did_you_mean(message)} (see {self.prog.split()[0]} -h)")
-
-    def parse_line(self, line: str) -> argparse.Namespace | None:
-        """Parse a magic's line; with ``-h``/``--help`` print the help instead and return None."""
-        tokens = shlex.split(line)
-        if "-h" in tokens or "--help" in tokens:
-            print(self.help_text(tokens[0] if tokens else None))
-            return None
-        return self.parse_args(tokens)
-
-    def help_text(self, command: str | None = None) -> str:
-        """Usage and every flag with its help; one sub-command's if ``command`` names one."""
-        commands = self._commands()
-        if command in commands:
-            return commands[command].format_help().rstrip()
-        return "\n\n".join([self.format_help().rstrip(), *(p.format_help().rstrip() for p in commands.values())])
-
-    def _commands(self) -> dict[str, "_Parser"]:
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                return dict(action.choices)
-        return {}
-
-    def _did_you_mean(self, message: str) -> str:
-        if match := re.search(r"invalid choice: '([^']*)'", message):
-            candidates = list(self._commands())
-        elif match := re.search(r"unrecognized arguments: (\S+)", message):
-            candidates = [flag for parser in [self, *self._commands().values()]
-                          for flag in parser._option_string_actions]
-        else:
-            return ""
-        close = difflib.get_close_matches(match.group(1), candidates, n=1, cutoff=0.6)
-        return f"; did you mean {close[0]!r}?" if close else ""
-
-    def exit(self, status=0, message=None):
-        if message:
-            raise UsageError(message.strip())
-        raise UsageError(self.format_help())
-
-
-_count = number(int, "a whole number, e.g. 2")
-
-
-@functools.cache  # built once: argparse costs ~0.6 ms per build, every cell parses
-def _fleet_parser() -> _Parser:
-    parser = _Parser(prog="%fleet", add_help=False)
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    start = sub.add_parser("start", prog="%fleet start", add_help=False)
-    add_flags(start, FleetOptions)
-    sub.add_parser("status", prog="%fleet status", add_help=False)
-    scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
-    scale.add_argument("n", type=_count, help="the new number of ranks")
-    recover = sub.add_parser("recover", prog="%fleet recover", add_help=False)
-    recover.add_argument("--shrink", action="store_true", help="go on without the lost ranks")
-    sub.add_parser("stop", prog="%fleet stop", add_help=False)
-    pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
-    pull.add_argument("name", help="the name on the rank; bound to the same name in the kernel")
-    pull.add_argument("--rank", type=int, default=0, help="the rank to copy from (default 0)")
-    export = sub.add_parser("export", prog="%fleet export", add_help=False,
-                            description="the --setup cells and the last training cell as a script for torchrun / "
-                                        "accelerate launch (plus an sbatch file with --launcher slurm)")
-    export.add_argument("path", help="the script to write, e.g. train.py")
-    export.add_argument("--force", action="store_true", help="overwrite the files if they exist")
-    push = sub.add_parser("push", prog="%fleet push", add_help=False)
-    push.add_argument("assignments", nargs="+", help="name=expression, evaluated in the kernel")
-    return parser
-
-
-@functools.cache
-def _distributed_parser() -> _Parser:
-    parser = _Parser(prog="%%distributed", add_help=False)
-    add_flags(parser, CellOptions)
-    add_flags(parser, CellCall)
-    return parser
-
-
 def _friendly(method):
     """Turn workbench's one-line errors into UsageError (no traceback)."""
 
@@ -180,22 +95,6 @@ class _RankValue:
 
     def __repr__(self) -> str:
         return self.bundle.get("text/plain", "")
-
-
-def _status_table(rows: list[dict]) -> str:
-    """The ranks' table; with several hosts, grouped under a line per host (its node rank)."""
-    if not rows:
-        return "no fleet is running; start one with %fleet start -n 2"
-    columns = ["rank", "engine", "pid", "host", "device", "state", "memory"]
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
-    lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
-    hosts = list(dict.fromkeys(r["host"] for r in rows))
-    for node, host in enumerate(hosts):
-        mine = [r for r in rows if r["host"] == host]
-        if len(hosts) > 1:
-            lines.append(f"node {node}: {host} ({len(mine)} rank{'s' if len(mine) > 1 else ''})")
-        lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in mine]
-    return "\n".join(lines)
 
 
 @magics_class
@@ -244,7 +143,7 @@ class WorkbenchMagics(Magics):
         %fleet stop
             Stop every engine and the controller.
         """
-        args = _fleet_parser().parse_line(line)
+        args = fleet_parser().parse_line(line)
         if args is None:  # -h: help printed
             return None
         if args.command is None:
@@ -272,7 +171,7 @@ class WorkbenchMagics(Magics):
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         if args.command == "status":
-            print(_status_table(fleet.status()))
+            print(status_table(fleet.status()))
             spares = fleet.spare_status()
             if spares["ready"] or spares["starting"]:
                 print(f"spares: {len(spares['ready'])} warm"
@@ -336,7 +235,7 @@ class WorkbenchMagics(Magics):
         --strategy none wraps nothing, but the rank is still the distributed
         environment of accelerate launch (your own Accelerator() gathers).
         """
-        args = _distributed_parser().parse_line(line)
+        args = distributed_parser().parse_line(line)
         if args is None:  # -h: help printed
             return None
         fleet = self.session.current_fleet()
@@ -373,7 +272,7 @@ class WorkbenchMagics(Magics):
         Checkpoints live in ./workbench-runs/<run-id>/checkpoints/<tag>/; a save is
         atomic (written to a temporary folder, committed by a manifest and a rename).
         """
-        args = _checkpoint_parser().parse_line(line)
+        args = checkpoint_parser().parse_line(line)
         if args is None:  # -h: help printed
             return None
         if args.command is None:
@@ -410,7 +309,7 @@ class WorkbenchMagics(Magics):
         Inside %%distributed cells, ranks log with workbench.log(loss=...); the
         dashboard also appears by itself under a cell that logs.
         """
-        args = _metrics_parser().parse_line(line)
+        args = metrics_parser().parse_line(line)
         if args is None:  # -h: help printed
             return None
         metrics = self.session.current_metrics()
@@ -434,24 +333,6 @@ class WorkbenchMagics(Magics):
                 metrics.display_dashboard()
 
 
-@functools.cache
-def _checkpoint_parser() -> _Parser:
-    parser = _Parser(prog="%checkpoint", add_help=False)
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    save = sub.add_parser("save", prog="%checkpoint save", add_help=False)
-    save.add_argument("--tag", default=None, help="checkpoint name (default step-<workbench.step>)")
-    save.add_argument("--async", dest="async_", action="store_true",
-                      help="return once the state is copied; write in the background")
-    save.add_argument("--keep-last", type=_count, default=None, help="then delete all but the newest K complete checkpoints")
-    sub.add_parser("list", prog="%checkpoint list", add_help=False)
-    restore = sub.add_parser("restore", prog="%checkpoint restore", add_help=False)
-    restore.add_argument("tag", nargs="?", default="latest", help="TAG, latest (default) or a checkpoint folder")
-    rm = sub.add_parser("rm", prog="%checkpoint rm", add_help=False)
-    rm.add_argument("tag", help="the checkpoint to delete")
-    sub.add_parser("wait", prog="%checkpoint wait", add_help=False)
-    return parser
-
-
 def _restored_line(report: dict) -> str:
     world = report["world_size"]
     resharded = f", resharded from {report['saved_world_size']} ranks" if report["saved_world_size"] != world else ""
@@ -460,18 +341,10 @@ def _restored_line(report: dict) -> str:
             "workbench.step is now " + str(report["step"]))
 
 
-@functools.cache
-def _metrics_parser() -> _Parser:
-    parser = _Parser(prog="%metrics", add_help=False)
-    parser.add_argument("--summary", action="store_true", help="text summary of the whole run: last/min/mean per rank")
-    parser.add_argument("--path", action="store_true", help="where the run's metrics.jsonl, wandb run, TensorBoard files and logs are")
-    return parser
-
-
 def _add_generated_help() -> None:
     """Each magic's docstring (``%fleet?``) ends with its flags, generated from its parser."""
-    for magic, parser in ((WorkbenchMagics.fleet, _fleet_parser), (WorkbenchMagics.distributed, _distributed_parser),
-                          (WorkbenchMagics.checkpoint, _checkpoint_parser), (WorkbenchMagics.metrics, _metrics_parser)):
+    for magic, parser in ((WorkbenchMagics.fleet, fleet_parser), (WorkbenchMagics.distributed, distributed_parser),
+                          (WorkbenchMagics.checkpoint, checkpoint_parser), (WorkbenchMagics.metrics, metrics_parser)):
         flags = parser().help_text().replace("\n", "\n        ")
         magic.__doc__ = f"{magic.__doc__.rstrip()}\n\n        Flags (also: {parser().prog} -h):\n\n        {flags}\n"
 

@@ -12,7 +12,8 @@ Runs on both sides: engines build :class:`CellOptions` from the kernel's dict.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import difflib
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, get_args
 
 from .errors import OptionsError
@@ -190,6 +191,20 @@ class FleetOptions:
     """attach to the running ipcluster with this id"""
     progress: bool = flag(True, api_only=True)
     """show a progress line while the fleet starts, scales and recovers"""
+
+    @classmethod
+    def build(cls, n: int | None, options: "FleetOptions | None", kwargs: dict) -> "FleetOptions":
+        """``Fleet(n, **kwargs)`` or ``Fleet(options=...)`` as validated options (an unknown
+        keyword is a one-line error with the nearest option's name)."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                raise OptionsError(f"Fleet() has no option {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                                   + f" (options: {', '.join(names)})")
+        if options is not None:
+            return replace(options, **({"n": n} if n is not None else {}), **kwargs).validate()
+        return cls(n=n, **kwargs).validate()
 
     @property
     def attached(self) -> bool:

@@ -20,14 +20,13 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import secrets
-import shutil
 import time
-import traceback
 
 from ..errors import CheckpointError
 from ..messages import Restored
 from ..rank import namespace
 from . import layout
+from .failures import describe, explain
 from .state import REGISTERED, CheckpointState
 
 
@@ -124,7 +123,7 @@ def _reap() -> None:
         SAVES.pending = None
         exc = future.exception()
         if exc is not None:
-            reason = str(exc) if isinstance(exc, CheckpointError) else _describe(exc)
+            reason = str(exc) if isinstance(exc, CheckpointError) else describe(exc)
             SAVES.errors.append(f"background save of checkpoint {SAVES.pending_tag!r} failed: {reason}")
 
 
@@ -139,51 +138,6 @@ def wait() -> None:
     errors = take_errors()
     if errors:
         raise CheckpointError("; ".join(errors))
-
-
-OS_REASONS = ("No space left", "Read-only file system", "Permission denied", "Disk quota exceeded")
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for a failed save or load: the OS reason if there is one, else the last line."""
-    texts = [str(exc)]
-    for failure in getattr(exc, "failures", {}).values():  # DCP's CheckpointException: one per rank
-        texts.append("".join(traceback.format_exception(failure)) if isinstance(failure, BaseException)
-                     else str(failure))
-    for text in texts:
-        for line in text.splitlines():
-            if any(reason in line for reason in OS_REASONS):
-                return line.strip()
-    lines = [line for line in texts[0].strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
-
-
-def _explain(exc: BaseException, folder: str, state_dict: dict) -> str:
-    """``_describe``, or the disk space when the write failed for lack of it (the zip
-    writer in torch.save can turn ENOSPC into an unrelated-looking error)."""
-    reason = _describe(exc)
-    if any(r in reason for r in OS_REASONS):
-        return reason
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        return reason
-    needed = _nbytes(state_dict)
-    if free < needed:
-        return (f"No space left on device: {free // 1024} KiB free in {folder}, "
-                f"this rank's state needs about {needed // 1024} KiB")
-    return reason
-
-
-def _nbytes(value) -> int:
-    if hasattr(value, "numel") and hasattr(value, "element_size"):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        return local.numel() * local.element_size()
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
 
 
 def _copy_volatile(state_dict: dict, objects: dict) -> dict:
@@ -239,8 +193,8 @@ def _save(tag: str | None, async_: bool, retention: layout.Retention | None, str
     group = _group(spec)
     tag = layout.check_tag(tag) if tag is not None else f"step-{logger.step}"
     folder = layout.checkpoints_dir(rank_state.run_dir)
-    tmp = _own_folder(folder, tag, spec, logger.step) if async_ else _agreed_folder(folder, tag, spec, group)
-    _mark_writer(tmp)
+    tmp = layout.own_folder(folder, tag, spec.generation, logger.step) if async_ else _agreed_folder(folder, tag, spec, group)
+    layout.mark_writer(tmp)
     state = CheckpointState(namespace(), spec.rank, logger.step)
     manifest = layout.Manifest(tag=tag, step=logger.step, world_size=spec.world_size,
                                strategy=strategy or _strategy(rank_state), created=time.time())
@@ -259,15 +213,15 @@ def _save(tag: str | None, async_: bool, retention: layout.Retention | None, str
         else:
             dcp_save(state_dict, storage_writer=writer, process_group=group)
     except _FAILURES as exc:
-        reason = _explain(exc, tmp, state_dict)  # before rank 0 removes the folder (and frees the space)
-        _unmark_writer(tmp)
-        _abandon(tmp, spec.rank)
+        reason = explain(exc, tmp, state_dict)  # before rank 0 removes the folder (and frees the space)
+        layout.unmark_writer(tmp)
+        layout.discard(tmp, spec.rank)
         raise CheckpointError(f"checkpoint {tag!r} was not saved: {reason}") from None
     final = os.path.join(folder, tag)
     if not async_:
         if spec.rank != 0:  # rank 0's mark goes with the commit, so the folder is never seen as abandoned
-            _unmark_writer(tmp)
-        error = _commit_on_rank0(spec.rank, tmp, final, manifest, folder, retention)
+            layout.unmark_writer(tmp)
+        error = layout.commit_on_rank0(spec.rank, tmp, final, manifest, folder, retention)
         errors = [None] * spec.world_size
         dist.all_gather_object(errors, error, group=group)
         if any(errors):
@@ -280,16 +234,16 @@ def _save(tag: str | None, async_: bool, retention: layout.Retention | None, str
 
     def finish(future):
         if spec.rank != 0:
-            _unmark_writer(tmp)
+            layout.unmark_writer(tmp)
         try:
             future.result()
-            error = _commit_on_rank0(spec.rank, tmp, final, manifest, folder, retention)
+            error = layout.commit_on_rank0(spec.rank, tmp, final, manifest, folder, retention)
             if error:
                 raise CheckpointError(error)
             done.set_result(tag)
         except BaseException as exc:  # noqa: BLE001 - kept for the next call or cell
-            reason = _explain(exc, tmp, state_dict)
-            _abandon(tmp, spec.rank)
+            reason = explain(exc, tmp, state_dict)
+            layout.discard(tmp, spec.rank)
             done.set_exception(CheckpointError(reason))
 
     upload.add_done_callback(finish)
@@ -303,7 +257,7 @@ def _agreed_folder(folder: str, tag: str, spec, group) -> str:
     decision = None
     if spec.rank == 0:
         try:
-            _check_new(folder, tag)
+            layout.check_new(folder, tag)
             tmp = os.path.join(folder, f"{layout.TMP_PREFIX}{tag}-{secrets.token_hex(3)}")
             os.mkdir(tmp, 0o700)
             decision = {"tmp": tmp}
@@ -315,59 +269,6 @@ def _agreed_folder(folder: str, tag: str, spec, group) -> str:
     if "error" in decision:
         raise CheckpointError(decision["error"])
     return decision["tmp"]
-
-
-def _own_folder(folder: str, tag: str, spec, step: int) -> str:
-    """The same folder as :func:`_agreed_folder`, named by every rank alike from the tag, the
-    process group's generation and the step, without a collective: an async save returns at
-    once even when the ranks arrive at it a little apart."""
-    try:
-        _check_new(folder, tag)
-        tmp = os.path.join(folder, f"{layout.TMP_PREFIX}{tag}-g{spec.generation}s{step}")
-        os.makedirs(tmp, 0o700, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoints to {folder}: {exc.strerror or exc}") from None
-    return tmp
-
-
-def _check_new(folder: str, tag: str) -> None:
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    if os.path.exists(os.path.join(folder, tag)):
-        raise CheckpointError(f"checkpoint {tag!r} already exists; pick another --tag, or rm it first")
-
-
-def _mark_writer(tmp: str) -> None:
-    writers = os.path.join(tmp, layout.WRITERS)
-    os.makedirs(writers, exist_ok=True)
-    open(os.path.join(writers, str(os.getpid())), "w").close()
-
-
-def _unmark_writer(tmp: str) -> None:
-    try:
-        os.remove(os.path.join(tmp, layout.WRITERS, str(os.getpid())))
-    except OSError:
-        pass
-
-
-def _abandon(tmp: str, rank: int) -> None:
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _commit_on_rank0(rank, tmp, final, manifest, folder, retention: layout.Retention | None) -> str | None:
-    if rank != 0:
-        return None
-    try:
-        layout.commit(tmp, final, manifest)
-        if retention is not None:
-            layout.retain(folder, retention)
-    except CheckpointError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return str(exc)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return f"checkpoint {manifest.tag!r} could not be committed: {exc.strerror or exc}"
-    return None
 
 
 def _strategy(rank_state) -> str:
@@ -418,7 +319,7 @@ def restore(tag: str = "latest") -> Restored:
     except CheckpointError:
         raise
     except _FAILURES as exc:
-        raise CheckpointError(f"checkpoint {manifest.tag!r} could not be loaded: {_describe(exc)}") from None
+        raise CheckpointError(f"checkpoint {manifest.tag!r} could not be loaded: {describe(exc)}") from None
     restored = state.apply(template)
     logger.step = int(template.get("workbench", {}).get("step", manifest.step))
     return Restored(tag=manifest.tag, step=logger.step, saved_world_size=manifest.world_size,

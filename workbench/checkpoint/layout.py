@@ -245,3 +245,61 @@ def retain(folder: str, retention: Retention) -> list[str]:
     for entry in doomed:
         shutil.rmtree(entry.path, ignore_errors=True)
     return [e.tag for e in doomed]
+
+
+def own_folder(folder: str, tag: str, generation: int, step: int) -> str:
+    """The temporary folder of a save, named by every rank alike from the tag, the process
+    group's generation and the step, without a collective: an async save returns at once
+    even when the ranks arrive at it a little apart."""
+    try:
+        check_new(folder, tag)
+        tmp = os.path.join(folder, f"{TMP_PREFIX}{tag}-g{generation}s{step}")
+        os.makedirs(tmp, 0o700, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoints to {folder}: {exc.strerror or exc}") from None
+    return tmp
+
+
+def check_new(folder: str, tag: str) -> None:
+    """Make the checkpoints folder; refuse a tag that exists."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    if os.path.exists(os.path.join(folder, tag)):
+        raise CheckpointError(f"checkpoint {tag!r} already exists; pick another --tag, or rm it first")
+
+
+def mark_writer(tmp: str) -> None:
+    """This process writes into ``tmp`` (listing never removes a folder with live writers)."""
+    writers = os.path.join(tmp, WRITERS)
+    os.makedirs(writers, exist_ok=True)
+    open(os.path.join(writers, str(os.getpid())), "w").close()
+
+
+def unmark_writer(tmp: str) -> None:
+    try:
+        os.remove(os.path.join(tmp, WRITERS, str(os.getpid())))
+    except OSError:
+        pass
+
+
+def discard(tmp: str, rank: int) -> None:
+    """Rank 0 removes a save's temporary folder."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def commit_on_rank0(rank: int, tmp: str, final: str, manifest: Manifest, folder: str,
+                    retention: Retention | None) -> str | None:
+    """Rank 0 commits the save (then applies ``retention``); returns the error, if any."""
+    if rank != 0:
+        return None
+    try:
+        commit(tmp, final, manifest)
+        if retention is not None:
+            retain(folder, retention)
+    except CheckpointError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return str(exc)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"checkpoint {manifest.tag!r} could not be committed: {exc.strerror or exc}"
+    return None
