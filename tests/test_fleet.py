@@ -205,6 +205,32 @@ def test_a_mismatched_collective_is_named_within_seconds_not_after_the_pg_timeou
     assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
 
 
+def test_a_ddp_backward_no_peer_will_join_is_named_within_seconds(fleet):
+    """DDP runs its collectives in C++, not through a torch.distributed call: rank 0 runs one
+    more step than rank 1, which has finished the cell (rank 0 then waits in the forward's
+    bucket rebuild); on a fresh model, only rank 0 steps (it waits in backward)."""
+    fleet.run("import torch\nddp_model = accelerator.prepare(torch.nn.Linear(4, 4))", show_output=False)
+    started = time.monotonic()
+    with pytest.raises(DistributedCellError) as info:
+        fleet.run("for _ in range(2 if rank == 0 else 1):\n    ddp_model(torch.ones(2, 4)).sum().backward()",
+                  show_output=False)
+    assert time.monotonic() - started < 30  # the group's timeout is 300 s
+    assert str(info.value).startswith("MismatchedCollective: waited ")
+    assert "in DDP's _pre_forward (its collectives) while rank 1 had already finished the cell" in str(info.value)
+    assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
+    # DDP's first backward of a new model waits for its gradient all-reduce inside C++ autograd
+    fleet.run("ddp_model = accelerator.prepare(torch.nn.Linear(4, 4))", show_output=False)
+    with pytest.raises(DistributedCellError) as info:
+        fleet.run("if rank == 0:\n    ddp_model(torch.ones(2, 4)).sum().backward()", show_output=False)
+    assert "in backward (DDP's gradient all-reduce) while rank 1 had already finished the cell" in str(info.value)
+    assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
+    # a backward under no_sync all-reduces nothing: it is not taken for a wait
+    fleet.run("ddp_model = accelerator.prepare(torch.nn.Linear(4, 4))", show_output=False)
+    syncing = ("from workbench.metrics.logger import LOGGER\nwith ddp_model.no_sync():\n"
+               "    inside = LOGGER.comm.ddp_syncing()\n(inside, LOGGER.comm.ddp_syncing())")
+    assert fleet.run(syncing, show_output=False) == [(False, True), (False, True)]
+
+
 def test_ranks_stuck_in_cpp_are_killed_and_replaced(fleet):
     """Both ranks wait for each other in recv: SIGINT cannot reach them, so they are replaced."""
     fleet.run("marker = 'old namespace'")

@@ -55,7 +55,7 @@ class Beat(TypedDict):
     stalled_s: float | None  # seconds without progress (steps, collectives launched) in user code
     stack: str | None  # the main thread's stack once it stalls
     busy: bool  # running user code
-    waiting_in: str | None  # the torch.distributed call it waits in, if any
+    waiting_in: str | None  # the collective it waits in: torch.distributed.all_reduce, or a DDP backward
     waiting_s: float | None
     cell: NotRequired[int]  # the cell the rank is in
 

@@ -18,7 +18,8 @@ not judged by the second sign; ``--timeout`` covers it.
 
 A third sign needs no timeout: a mismatched collective. Once one rank has
 finished the cell, a collective over the whole group can no longer complete; if
-every rank still running has been inside a torch.distributed call for
+every rank still running has been inside a torch.distributed call (or a backward
+of a DDP model that syncs its gradients, where DDP waits for its all-reduce) for
 ``MISMATCH_AFTER_S``, the cell is stopped at once instead of waiting out
 ``--pg-timeout``. (Ranks waiting together in a collective of a sub-group that
 leaves out the finished rank, for that long, would be judged the same way.) The cell runner
@@ -82,7 +83,7 @@ class HangWatch:
                 return []
             waits[rank] = (stream, waited)
         done = ",".join(map(str, finished))
-        return [Hang(rank, f"waited {waited:.0f} s in torch.distributed.{stream.waiting_in} while rank {done} had "
+        return [Hang(rank, f"waited {waited:.0f} s in {stream.waiting_in} while rank {done} had "
                            "already finished the cell (every rank of the group must make the same collective "
                            "calls in the same order)", stream.stack, ename="MismatchedCollective")
                 for rank, (stream, waited) in waits.items()]

@@ -28,6 +28,10 @@ class CommClock:
         model._workbench_comm_end = None
         self._ddp.append(weakref.ref(model))
 
+    def ddp_syncing(self) -> bool:
+        """A watched DDP model will all-reduce its gradients in the next backward (not in ``no_sync``)."""
+        return any(getattr(ref(), "require_backward_grad_sync", False) for ref in self._ddp)
+
     def take(self, now: float) -> float:
         """Seconds covered by the intervals finished since the last call."""
         intervals = []

@@ -29,6 +29,8 @@ from .gpu import GpuProbe
 MAX_BUFFERED = 50_000  # records kept while the kernel is not reading
 MAX_BATCH = 2_000  # records per message
 SEND_EVERY_S = 0.2  # batching interval: latency floor vs. CPU taken from training (ends of cells flush at once)
+BACKWARD_FILE = "autograd/graph.py"  # torch.autograd.graph._engine_run_backward: where DDP waits for its all-reduce
+DDP_FILE = "nn/parallel/distributed.py"  # DDP's forward calls its collectives (bucket rebuild, buffer sync) in C++
 SEND_HWM = 32  # messages zmq queues before a send would block
 BEAT_EVERY_S = 1.0  # heartbeat interval (a message goes at least this often)
 STACK_AFTER_S = 2.0  # a stalled rank adds its main thread's stack to its heartbeats
@@ -172,7 +174,8 @@ class MetricsLogger:
         from ..rank import STATE
 
         cell = self.cells
-        beat = self._pulse.beat(self.activity + self.comm.launched, self._cell_activity, STATE.in_user_code, now)
+        beat = self._pulse.beat(self.activity + self.comm.launched, self._cell_activity, STATE.in_user_code, now,
+                                self.comm.ddp_syncing())
         beat["cell"] = cell
         memory = _memory()
         with self._lock:
@@ -206,20 +209,22 @@ class _Pulse:
     progress in this cell, the seconds since the activity counter last moved (else
     None); with it, once it reaches ``STACK_AFTER_S``, the main thread's stack.
     ``busy``: a cell's user code is running. ``waiting_in``: the torch.distributed
-    call the main thread is inside (``all_reduce``, ``barrier``, ...), with
-    ``waiting_s`` the seconds it has been there, and its stack."""
+    call the main thread is inside (``torch.distributed.all_reduce``, ...), or a backward
+    that ends in DDP's gradient all-reduce, with ``waiting_s`` the seconds it has been
+    there, and its stack."""
 
     def __init__(self) -> None:
         self.activity = -1
         self.changed_at = 0.0
         self.waiting: tuple[int, float] | None = None  # (id of the torch.distributed frame, first seen)
 
-    def beat(self, activity: int, at_cell_start: int, in_user_code: bool, now: float) -> Beat:
+    def beat(self, activity: int, at_cell_start: int, in_user_code: bool, now: float,
+             ddp_syncing: bool = False) -> Beat:
         if activity != self.activity:
             self.activity, self.changed_at = activity, now
         stalled = now - self.changed_at if in_user_code and activity != at_cell_start else None
         frame = _main_thread_frame() if in_user_code else None
-        call = _distributed_call(frame)
+        call, label = _distributed_call(frame, ddp_syncing)
         if call is None:
             self.waiting = None
         elif self.waiting is None or self.waiting[0] != id(call):
@@ -228,7 +233,7 @@ class _Pulse:
         wants_stack = (stalled is not None and stalled >= STACK_AFTER_S) or (waiting_s or 0.0) >= STACK_AFTER_S
         stack = _stack(frame) if wants_stack else None
         return Beat(stalled_s=stalled, stack=stack, busy=in_user_code,
-                    waiting_in=call.f_code.co_name if call else None, waiting_s=waiting_s)
+                    waiting_in=label, waiting_s=waiting_s)
 
 
 def _main_thread_frame():
@@ -237,18 +242,29 @@ def _main_thread_frame():
     return sys._current_frames().get(threading.main_thread().ident)
 
 
-def _distributed_call(frame):
-    """The outermost frame of torch.distributed's c10d module on ``frame``'s stack (the
-    collective user code called), or None."""
-    found = None
+def _distributed_call(frame, ddp_syncing: bool = False) -> tuple:
+    """(frame, label) of the collective the main thread waits in, or (None, None): the
+    outermost frame of torch.distributed's c10d module on ``frame``'s stack (the collective
+    user code called); DDP's own Python code as the innermost frame (its forward runs its
+    collectives in C++); or, with ``ddp_syncing`` (a DDP model will all-reduce its gradients),
+    autograd's backward: DDP's reducer waits for that all-reduce inside it, in C++."""
+    innermost, found, backward = frame, None, None
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.endswith("distributed_c10d.py"):
             found = frame
         elif found is not None and not filename.endswith("c10d_logger.py"):  # its decorator's wrapper
-            return found
+            break
+        elif ddp_syncing and frame.f_code.co_name == "_engine_run_backward" and filename.endswith(BACKWARD_FILE):
+            backward = frame
         frame = frame.f_back
-    return found
+    if found is not None:
+        return found, f"torch.distributed.{found.f_code.co_name}"
+    if innermost is not None and innermost.f_code.co_filename.endswith(DDP_FILE):
+        return innermost, f"DDP's {innermost.f_code.co_name} (its collectives)"
+    if backward is not None:
+        return backward, "backward (DDP's gradient all-reduce)"
+    return None, None
 
 
 def _stack(frame, limit: int = 8) -> str | None:
