@@ -507,3 +507,51 @@ def _kill_during(fleet, code: str, pid: int, after_s: float) -> str:
     return outcome.get("error", "")
 
 
+
+
+SLOW_TRAIN = """
+import time
+g = torch.Generator().manual_seed(1000 * world_size + rank + workbench.step)
+for _ in range(20):
+    if globals().get("slow_engine"):  # this engine is slow (set on rank 1 only): not the code
+        time.sleep(0.04)
+    loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+    workbench.log(loss=loss.item())
+"""
+
+
+def test_a_slow_rank_is_flagged_and_replaced_keeping_the_state(elastic, capfd):
+    """Rank 1's engine sleeps 40 ms a step: within 20 steps it (and not rank 0, which waits
+    for it in DDP's all-reduce) is flagged; --auto-replace-stragglers swaps it for a fresh
+    engine after the cell, with the survivors' state, and the next cell has no straggler."""
+    fleet = elastic
+    fleet.execute(SETUP, fleet_options("ddp"), show_output=False, setup=True)
+    fleet.run(TRAIN, show_output=False)
+    assert fleet.stragglers() == {}
+    fleet.client[fleet.engine_ids([1])].execute("slow_engine = True", block=True)
+    fleet.run(SLOW_TRAIN, show_output=False)
+    slow = fleet.stragglers()
+    assert list(slow) == [1] and slow[1] > 1.3, slow
+    assert capfd.readouterr().err.count("rank 1 is slow: its compute per step") == 1
+    assert [row["state"].split()[0] for row in fleet.status()] == ["idle", "slow"]
+    fleet.run(SLOW_TRAIN, show_output=False)
+    assert "rank 1 is slow" not in capfd.readouterr().err, "named once"
+
+    before = fleet.run(SNAPSHOT, show_output=False)
+    slow_pid = fleet.member(1).pid
+    fleet.options.auto_replace_stragglers = True
+    try:
+        fleet.run(SLOW_TRAIN, show_output=False)  # flagged again in its new group window: replaced after it
+    finally:
+        fleet.options.auto_replace_stragglers = False
+    err = capfd.readouterr().err
+    assert "auto-recover 1/3: rank 1 is slow" in err, err[-2000:]
+    assert slow_pid not in {m.pid for m in fleet.members} and fleet.world_size == 2
+    after = fleet.run(SNAPSHOT, show_output=False)
+    assert after[0][2] == after[1][2] == before[0][2] + 20  # the step count goes on
+    for got in after:
+        _equal(got, after[0])  # every rank has the same state
+    fleet.run(SLOW_TRAIN, show_output=False)  # the fresh engine is not slow
+    assert fleet.stragglers() == {}
+    fleet.restarts = 0

@@ -240,6 +240,7 @@ def test_interrupting_the_kernel_stops_every_rank(kernel):
     ("%fleet start --help", "number of engines (default: one per GPU, or 2 on CPU)"),
     ("%checkpoint save -h", "--keep-last"),
     ("%metrics -h", "--summary"),
+    ("%fleet replace -h", "the ranks to swap for fresh engines"),
 ])
 def test_dash_h_prints_help_generated_from_the_parser(kernel, line, shown):
     reply, messages = kernel.execute(line)

@@ -105,25 +105,26 @@ def _teardown(fleet) -> None:
     fleet.client[fleet.engine_ids()].apply_sync(rendezvous.leave)
 
 
-def auto_recover(fleet, what: str, again: bool = False) -> bool:
-    """With ``--auto-recover`` and restarts left: say ``what`` happened, recover, return True
-    (``again``: the caller runs the interrupted cell again)."""
-    if not (fleet.auto_recover and fleet.restarts < fleet.max_restarts):
+def auto_recover(fleet, what: str, again: bool = False, replace: list[int] = ()) -> bool:
+    """With ``--auto-recover`` (or ``replace``: --auto-replace-stragglers) and restarts left:
+    say ``what`` happened, recover (replacing ``replace``), return True (``again``: the caller
+    runs the interrupted cell again)."""
+    if not ((fleet.auto_recover or replace) and fleet.restarts < fleet.max_restarts):
         return False
     fleet.restarts += 1
     print(f"workbench: auto-recover {fleet.restarts}/{fleet.max_restarts}: {what}; recovering (a survivor's state "
           f"or the latest checkpoint){' and running the cell again' if again else ''}", file=sys.stderr, flush=True)
-    fleet.recover()
+    fleet.recover(replace=replace)
     return True
 
 
-def recover(fleet, shrink: bool = False) -> dict:
+def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
     the process group, replay the setup cells on every rank, then give every rank the
     survivors' state (DDP: a live replica) or the latest complete checkpoint (resharded)."""
     fleet.targets(None)
     phases = _Phases(fleet, "recover")
-    dead = fleet.pool.dead_ranks(settle_s=0.5)
+    dead = sorted(set(fleet.pool.dead_ranks(settle_s=0.5)) | set(replace))
     replaced_before = set(fleet.fresh_ranks)  # replaced already, after the cell that saw them die
     replica_engine = _keep_live_state(fleet, set(dead) | replaced_before)
     if shrink:

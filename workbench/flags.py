@@ -167,6 +167,8 @@ def fleet_parser() -> MagicParser:
     scale.add_argument("n", type=count, help="the new number of ranks")
     recover = sub.add_parser("recover", prog="%fleet recover", add_help=False)
     recover.add_argument("--shrink", action="store_true", help="go on without the lost ranks")
+    replace = sub.add_parser("replace", prog="%fleet replace", add_help=False)
+    replace.add_argument("ranks", type=rank_list, metavar="R[,R]", help="the ranks to swap for fresh engines")
     sub.add_parser("stop", prog="%fleet stop", add_help=False)
     pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
     pull.add_argument("name", help="the name on the rank; bound to the same name in the kernel")

@@ -80,6 +80,8 @@ class Fleet:
         self.fresh_ranks: list[int] = []  # replaced after dying, not set up again yet: cells wait for recover
         self.replaying = False  # recover/scale replaying the setup cells (runs on fresh ranks too)
         self.generation = 0  # of the process group: one more at every rendezvous
+        self.group_mark = 0  # the metrics records of the current process group start here
+        self.slow_reported: set[int] = set()  # stragglers already named in a cell's output
         self.cells_run = 0
 
     # ------------------------------------------------------------------ the pool's view
@@ -229,6 +231,7 @@ class Fleet:
             if stuck := self._join_all():
                 raise FleetError(f"the process group could not be built: rank {','.join(map(str, stuck))} died "
                                  "while joining twice; restart the fleet: %fleet stop, then %fleet start")
+        self.group_mark, self.slow_reported = len(self.metrics.store), set()
 
     def _join_all(self) -> list[int]:
         self.generation += 1
@@ -303,7 +306,33 @@ class Fleet:
         elif ranks is None and not self.replaying:
             self.training_cell = (code, options)
         self._adopt_spares()  # spares that registered while the cell ran get warm now
+        if not self.replaying:
+            self._handle_stragglers()
         return result
+
+    def stragglers(self) -> dict[int, float]:
+        """Slow ranks of the current process group: ``{rank: compute ratio}``
+        (the rule: :mod:`workbench.metrics.stragglers`)."""
+        from .metrics.stragglers import slow_ranks
+        from .metrics.summary import per_rank
+
+        if self.metrics is None:
+            return {}
+        ranks = per_rank(self.metrics.store.since(self.group_mark))
+        return {r: ratio for r, ratio in slow_ranks(ranks).items() if r < self.world_size}
+
+    def _handle_stragglers(self) -> None:
+        """Name a newly slow rank once; with --auto-replace-stragglers, replace it."""
+        from .elastic import auto_recover
+        from .metrics.stragglers import describe
+
+        slow = self.stragglers()
+        for rank in sorted(set(slow) - self.slow_reported):
+            print(f"workbench: {describe(rank, slow[rank])}; %fleet replace {rank} swaps it for a fresh engine "
+                  "(keeping the training state)", file=sys.stderr, flush=True)
+        self.slow_reported |= set(slow)
+        if slow and self.options.auto_replace_stragglers:
+            auto_recover(self, f"rank {','.join(map(str, sorted(slow)))} is slow", replace=sorted(slow))
 
     def _refuse_unrecovered(self) -> None:
         """A replaced rank has an empty namespace: running cells before %fleet recover would leave
@@ -330,13 +359,14 @@ class Fleet:
 
         return scale(self, n)
 
-    def recover(self, shrink: bool = False) -> dict:
+    def recover(self, shrink: bool = False, replace: list[int] = ()) -> dict:
         """After an engine died: replace it (``shrink``: go on without it), rebuild the
         group, replay the setup cells, then restore the survivors' state (a live replica) or the
-        latest checkpoint (:mod:`workbench.elastic`)."""
+        latest checkpoint (:mod:`workbench.elastic`). ``replace``: live ranks to swap for fresh
+        engines the same way (a straggler: ``%fleet replace R``)."""
         from .elastic import recover
 
-        result = recover(self, shrink=shrink)
+        result = recover(self, shrink=shrink, replace=self.targets(list(replace)) if replace else [])
         self.fresh_ranks = []
         return result
 
@@ -414,4 +444,4 @@ class Fleet:
         if not self.running:
             return []
         self._adopt_spares()
-        return status_rows(self.pool)
+        return status_rows(self.pool, self.stragglers())

@@ -131,6 +131,13 @@ class WorkbenchMagics(Magics):
             the process group, replay the --setup cells, then give every rank the
             survivors' state (DDP: a live replica) or the latest complete
             checkpoint (resharded).
+        %fleet replace R[,R]
+            Swap live ranks (a straggler that %fleet status shows as slow) for
+            fresh engines (a warm spare first), the same way: new group, setup
+            replay, the survivors' state or the latest checkpoint. A rank is slow
+            when its compute per step (step time minus time in collectives) is
+            over 1.3x the other ranks' median over the last 20 steps;
+            --auto-replace-stragglers replaces it after the cell that showed it.
         %fleet pull NAME [--rank R]
             Copy NAME from a rank's namespace into the kernel (tensors to CPU):
             binds NAME in the kernel's namespace and returns the value.
@@ -147,7 +154,7 @@ class WorkbenchMagics(Magics):
         if args is None:  # -h: help printed
             return None
         if args.command is None:
-            raise UsageError("%fleet needs a command: start, status, scale, recover, pull, push, export or stop "
+            raise UsageError("%fleet needs a command: start, status, scale, recover, replace, pull, push, export or stop "
                              "(see %fleet?)")
         if args.command == "start":
             if self.session.current_fleet() is not None:
@@ -181,6 +188,8 @@ class WorkbenchMagics(Magics):
             fleet.scale(args.n)
         elif args.command == "recover":
             fleet.recover(shrink=args.shrink)
+        elif args.command == "replace":
+            fleet.recover(replace=args.ranks)
         elif args.command == "pull":
             value = self.shell.user_ns[args.name] = fleet.pull(args.name, rank=args.rank)
             return value

@@ -99,7 +99,7 @@ class EngineRow(TypedDict):
     pid: int
     host: str
     device: str
-    state: str  # starting | idle | busy | dead | silent
+    state: str  # starting | idle | busy | dead | silent | slow 1.6× (a straggler)
     memory_mb: int | None
 
 

@@ -160,7 +160,9 @@ class FleetOptions:
     auto_recover: bool = False
     """when an engine dies or hangs in a cell: recover and run the cell again"""
     max_restarts: int = flag(3, metavar="K")
-    """auto-recover budget"""
+    """auto-recover budget (also spent by --auto-replace-stragglers)"""
+    auto_replace_stragglers: bool = False
+    """after a cell that showed a slow rank (see %fleet status), replace it, keeping the training state"""
     spares: int = flag(0, metavar="K")
     """warm engines kept ready outside the group: scale up and recovery take one at once"""
     memory_limit: str | int | None = flag(None, metavar="SIZE")

@@ -59,8 +59,9 @@ def snapshot() -> PanelState:
                        engines=[], spares={"ready": 0, "starting": 0}, checkpoints=[])
     if fleet is not None:
         streams = fleet.metrics.store.streams if fleet.metrics else {}
+        slow = fleet.stragglers()
         state.update(world_size=fleet.world_size, backend=fleet.backend, run_dir=fleet.run_dir,
-                     engines=[_engine_row(m, streams.get(m.rank)) for m in list(fleet.members)],
+                     engines=[_engine_row(m, streams.get(m.rank), slow.get(m.rank)) for m in list(fleet.members)],
                      spares={"ready": len(fleet.pool.spares), "starting": len(fleet.pool.pending_spares)},
                      needs_recover=bool(fleet.fresh_ranks))
     if metrics is not None:
@@ -74,7 +75,7 @@ def snapshot() -> PanelState:
     return state
 
 
-def _engine_row(member, stream) -> EngineRow:
+def _engine_row(member, stream, slow: float | None = None) -> EngineRow:
     state = "starting" if stream is None or stream.pid != member.pid else ("busy" if stream.busy else "idle")
     if member.host == socket.gethostname() or member.host == "localhost":
         try:
@@ -84,6 +85,8 @@ def _engine_row(member, stream) -> EngineRow:
             state = "dead"
     elif stream is not None and time.time() - stream.beat_at > SILENT_AFTER_S:
         state = "silent"
+    if slow is not None and state in ("idle", "busy"):
+        state = f"slow {slow:.1f}×"  # a straggler (workbench.metrics.stragglers)
     memory = (stream.memory if stream is not None else {}) or {}
     memory_mb = memory.get("cuda_max_mb", memory.get("rss_mb"))
     return EngineRow(rank=member.rank, engine=member.engine_id, pid=member.pid, host=member.host,

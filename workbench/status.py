@@ -10,9 +10,11 @@ from .processes import resident_memory
 COLUMNS = ["rank", "engine", "pid", "host", "device", "state", "memory"]
 
 
-def status_rows(pool: EnginePool) -> list[dict]:
+def status_rows(pool: EnginePool, slow: dict[int, float] | None = None) -> list[dict]:
     """One row per rank. A rank is busy while the controller has a request queued for it;
-    an idle rank reports its own memory, a busy one is measured from outside."""
+    an idle rank reports its own memory, a busy one is measured from outside. A rank in
+    ``slow`` (a straggler: :mod:`workbench.metrics.stragglers`) shows ``slow 1.6×``."""
+    slow = slow or {}
     registered = set(pool.client.ids)
     queues = pool.queue_status()
     states = {}
@@ -29,7 +31,9 @@ def status_rows(pool: EnginePool) -> list[dict]:
         except Exception:
             memory = resident_memory(m.host, m.pid)
         rows.append({"rank": m.rank, "engine": m.engine_id, "pid": m.pid, "host": m.host,
-                     "device": m.device, "state": states[m.rank], "memory": memory})
+                     "device": m.device, "memory": memory,
+                     "state": f"slow {slow[m.rank]:.1f}×" if m.rank in slow and states[m.rank] != "dead"
+                     else states[m.rank]})
     return rows
 
 

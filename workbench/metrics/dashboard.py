@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 
 from .store import MetricsStore, Record
+from .stragglers import slow_ranks
 from .summary import per_rank, steps_per_second
 
 REFRESH_S = 0.25  # at most ~4 updates a second
@@ -209,6 +210,7 @@ class Dashboard:
         import ipywidgets as widgets
 
         cell = per_rank(self.store.since(self._cell_start))
+        slow = slow_ranks(cell)
         for rank, records in cell.items():
             if rank not in self._bars:
                 bar = widgets.IntProgress(min=0, max=1, layout=widgets.Layout(width="40%"))
@@ -219,11 +221,11 @@ class Dashboard:
             bar, label = self._bars[rank]
             stream = self.store.streams.get(rank)
             total = stream.total if stream else None
-            label.value = progress_label(records, total)
+            label.value = progress_label(records, total) + (f" · slow {slow[rank]:.1f}×" if rank in slow else "")
             done = records[-1].step + 1
             bar.max = max(total or done, 1)
             bar.value = min(done, bar.max)
-            bar.bar_style = "success" if total and done >= total else "info"
+            bar.bar_style = "warning" if rank in slow else "success" if total and done >= total else "info"
         steps = sum(len(r) for r in cell.values())
         dropped = self.store.dropped()
         self.header.value = (f"<b>workbench</b> run <code>{self.run_id}</code> · {self.what} · {len(cell)} ranks · "
