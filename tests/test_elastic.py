@@ -526,6 +526,7 @@ def test_a_slow_rank_is_flagged_and_replaced_keeping_the_state(elastic, capfd):
     for it in DDP's all-reduce) is flagged; --auto-replace-stragglers swaps it for a fresh
     engine after the cell, with the survivors' state, and the next cell has no straggler."""
     fleet = elastic
+    fleet.restarts = 0  # earlier tests may have spent the budget
     fleet.execute(SETUP, fleet_options("ddp"), show_output=False, setup=True)
     fleet.run(TRAIN, show_output=False)
     assert fleet.stragglers() == {}
@@ -546,7 +547,7 @@ def test_a_slow_rank_is_flagged_and_replaced_keeping_the_state(elastic, capfd):
     finally:
         fleet.options.auto_replace_stragglers = False
     err = capfd.readouterr().err
-    assert "auto-recover 1/3: rank 1 is slow" in err, err[-2000:]
+    assert re.search(r"auto-recover 1/\d+: rank 1 is slow", err), err[-2000:]
     assert slow_pid not in {m.pid for m in fleet.members} and fleet.world_size == 2
     after = fleet.run(SNAPSHOT, show_output=False)
     assert after[0][2] == after[1][2] == before[0][2] + 20  # the step count goes on

@@ -227,7 +227,8 @@ def test_a_ddp_backward_no_peer_will_join_is_named_within_seconds(fleet):
     # a backward under no_sync all-reduces nothing: it is not taken for a wait
     fleet.run("ddp_model = accelerator.prepare(torch.nn.Linear(4, 4))", show_output=False)
     syncing = ("from workbench.metrics.logger import LOGGER\nwith ddp_model.no_sync():\n"
-               "    inside = LOGGER.comm.ddp_syncing()\n(inside, LOGGER.comm.ddp_syncing())")
+               "    ddp_model(torch.ones(2, 4)).sum().backward()\n    inside = LOGGER.comm.ddp_syncing()\n"
+               "ddp_model(torch.ones(2, 4)).sum().backward()\n(inside, LOGGER.comm.ddp_syncing())")
     assert fleet.run(syncing, show_output=False) == [(False, True), (False, True)]
 
 

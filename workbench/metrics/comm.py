@@ -18,6 +18,7 @@ class CommClock:
         self._done: collections.deque = collections.deque()
         self._ddp: list = []  # weak references to DDP models timed by their own reducer
         self.launched = 0  # collectives started (part of the rank's heartbeat)
+        self.sync_expected = False  # the last DDP forward prepared a gradient all-reduce for its backward
 
     def add(self, start: float, end: float) -> None:
         self._done.append((start, end))
@@ -28,9 +29,19 @@ class CommClock:
         model._workbench_comm_end = None
         self._ddp.append(weakref.ref(model))
 
+    def watch_sync(self, model) -> None:
+        """Note at each forward of DDP ``model`` whether its backward will all-reduce the
+        gradients (DDP decides there: not under ``no_sync()`` or ``torch.no_grad()``)."""
+        import torch
+
+        def pre_forward(module, _args):
+            self.sync_expected = module.require_backward_grad_sync and torch.is_grad_enabled()
+
+        model.register_forward_pre_hook(pre_forward)
+
     def ddp_syncing(self) -> bool:
-        """A watched DDP model will all-reduce its gradients in the next backward (not in ``no_sync``)."""
-        return any(getattr(ref(), "require_backward_grad_sync", False) for ref in self._ddp)
+        """The last DDP forward's backward all-reduces gradients (DDP then waits for its peers in it)."""
+        return self.sync_expected
 
     def take(self, now: float) -> float:
         """Seconds covered by the intervals finished since the last call."""

@@ -129,6 +129,7 @@ def instrument(obj, logger, options=None) -> None:
 
         hook = options.comm_hook if options is not None else None
         if isinstance(obj, DistributedDataParallel):
+            logger.comm.watch_sync(obj)
             if obj._comm_hooks:
                 pass  # the user's own hook: left alone, not timed
             elif hook is None:
