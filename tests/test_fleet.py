@@ -187,19 +187,26 @@ def test_timeout_stops_the_cell(fleet):
     assert fleet.run("rank") == [0, 1]
 
 
+def _mismatch(fleet, code: str, waiting_in: str) -> DistributedCellError:
+    """Run ``code``, in which rank 0 waits for rank 1 after rank 1 finished the cell: the cell
+    fails within seconds (the group's timeout is 300 s), naming where rank 0 waited."""
+    started = time.monotonic()
+    with pytest.raises(DistributedCellError) as info:
+        fleet.run(code, show_output=False)
+    assert time.monotonic() - started < 30
+    assert str(info.value).startswith("MismatchedCollective: waited ")
+    assert f"in {waiting_in} while rank 1 had already finished the cell" in str(info.value)
+    return info.value
+
+
 def test_a_mismatched_collective_is_named_within_seconds_not_after_the_pg_timeout(fleet):
     """Rank 0 all_reduces, rank 1 has finished the cell: nobody will ever join rank 0."""
     fleet.run("survivor = 'kept'", show_output=False)
     pids = [m.pid for m in fleet.members]
-    started = time.monotonic()
-    with pytest.raises(DistributedCellError) as info:
-        fleet.run("import torch\nif rank == 0:\n    torch.distributed.all_reduce(torch.ones(3))",
-                  show_output=False)
-    assert time.monotonic() - started < 20  # the group's timeout is 300 s
-    assert str(info.value).startswith("MismatchedCollective: waited ")
-    assert "in torch.distributed.all_reduce while rank 1 had already finished the cell" in str(info.value)
-    assert "(rank 0 of 2)" in str(info.value)
-    assert "in all_reduce" in info.value.report()  # rank 0's stack, where it waited
+    error = _mismatch(fleet, "import torch\nif rank == 0:\n    torch.distributed.all_reduce(torch.ones(3))",
+                      "torch.distributed.all_reduce")
+    assert "(rank 0 of 2)" in str(error)
+    assert "in all_reduce" in error.report()  # rank 0's stack, where it waited
     assert [m.pid for m in fleet.members] == pids  # released, not killed
     assert fleet.run("survivor", show_output=False) == ["kept", "kept"]
     assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
@@ -210,19 +217,13 @@ def test_a_ddp_backward_no_peer_will_join_is_named_within_seconds(fleet):
     more step than rank 1, which has finished the cell (rank 0 then waits in the forward's
     bucket rebuild); on a fresh model, only rank 0 steps (it waits in backward)."""
     fleet.run("import torch\nddp_model = accelerator.prepare(torch.nn.Linear(4, 4))", show_output=False)
-    started = time.monotonic()
-    with pytest.raises(DistributedCellError) as info:
-        fleet.run("for _ in range(2 if rank == 0 else 1):\n    ddp_model(torch.ones(2, 4)).sum().backward()",
-                  show_output=False)
-    assert time.monotonic() - started < 30  # the group's timeout is 300 s
-    assert str(info.value).startswith("MismatchedCollective: waited ")
-    assert "in DDP's _pre_forward (its collectives) while rank 1 had already finished the cell" in str(info.value)
+    _mismatch(fleet, "for _ in range(2 if rank == 0 else 1):\n    ddp_model(torch.ones(2, 4)).sum().backward()",
+              "DDP's _pre_forward (its collectives)")
     assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
     # DDP's first backward of a new model waits for its gradient all-reduce inside C++ autograd
     fleet.run("ddp_model = accelerator.prepare(torch.nn.Linear(4, 4))", show_output=False)
-    with pytest.raises(DistributedCellError) as info:
-        fleet.run("if rank == 0:\n    ddp_model(torch.ones(2, 4)).sum().backward()", show_output=False)
-    assert "in backward (DDP's gradient all-reduce) while rank 1 had already finished the cell" in str(info.value)
+    _mismatch(fleet, "if rank == 0:\n    ddp_model(torch.ones(2, 4)).sum().backward()",
+              "backward (DDP's gradient all-reduce)")
     assert fleet.run(ALL_REDUCE) == [2.0, 2.0]
     # a backward under no_sync all-reduces nothing: it is not taken for a wait
     fleet.run("ddp_model = accelerator.prepare(torch.nn.Linear(4, 4))", show_output=False)
