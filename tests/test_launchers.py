@@ -13,7 +13,8 @@ import pytest
 from conftest import fleet_processes, wait_until_gone
 
 from workbench import Fleet, OptionsError
-from workbench.launchers import LauncherSpec, parse_options, parse_size
+from workbench.launchers import LauncherSpec, parse_options
+from workbench.options import parse_size
 
 DDP_CELL = """
 import torch

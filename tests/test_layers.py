@@ -9,6 +9,7 @@ import sys
 ENGINE_SIDE = [
     "workbench",
     "workbench.engine",
+    "workbench.trials",
     "workbench.rendezvous",
     "workbench.strategies",
     "workbench.options",
@@ -37,7 +38,7 @@ import importlib, json, sys
 for name in {modules!r}:
     importlib.import_module(name)
 import workbench
-for name in ("log", "progress", "checkpoint", "llm", "step", "CheckpointError"):  # what cells use
+for name in ("log", "progress", "checkpoint", "llm", "step", "tune", "CheckpointError"):  # what cells use
     getattr(workbench, name)
 print(json.dumps(sorted(sys.modules)))
 """
@@ -70,7 +71,7 @@ LAYERS = [
     ["workbench.rendezvous", "workbench.checkpoint.state", "workbench.checkpoint.layout", "workbench.checkpoint.safe_io",
      "workbench.checkpoint.writer", "workbench.checkpoint.failures", "workbench.checkpoint.api", "workbench.checkpoint.replica", "workbench.checkpoint",
      "workbench.llm", "workbench.models"],
-    ["workbench.engine"],
+    ["workbench.engine", "workbench.trials"],
     ["workbench.template"],
 ]  # workbench.script is both sides at once: in a batch job, rank 0 also runs the collector
 
@@ -145,7 +146,7 @@ KERNEL_LAYERS = [
     ["workbench.processes", "workbench.metrics.collector", "workbench.metrics.stragglers", "workbench.metrics.dashboard",
      "workbench.watchdog"],
     ["workbench.pool", "workbench.metrics.live", "workbench.execution", "workbench.export"],
-    ["workbench.group", "workbench.status", "workbench.checkpoint.control", "workbench.elastic"],
+    ["workbench.group", "workbench.status", "workbench.checkpoint.control", "workbench.elastic", "workbench.tuner"],
     ["workbench.fleet"],
     ["workbench.panel", "workbench.labpanel", "workbench.testing"],
     ["workbench.magics"],

@@ -124,6 +124,46 @@ def test_push_pull_and_namespace(kernel):
     assert "NAME=EXPR" in _usage_error(kernel, "%fleet push 3")
 
 
+TUNE_SETUP = """%%distributed
+import torch
+
+def build_model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+def make_batch(size):
+    return torch.randn(size, 8), torch.randn(size, 1)
+
+def step(model, batch):
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+"""
+
+
+def test_fleet_tune_shows_a_table_and_the_next_cells_default_to_the_fastest(kernel):
+    assert kernel.execute(TUNE_SETUP)[0]["status"] == "ok"
+    assert "no micro-batch size divides" in _usage_error(
+        kernel, "%fleet tune step --model build_model --batch make_batch --micro-batches 3 --global-batch 8")
+    reply, messages = kernel.execute("%fleet tune step --model build_model --batch make_batch --micro-batches 4,16 "
+                                     "--global-batch 32 --strategies ddp,fsdp --steps 2 --warmup 1")
+    text = ANSI.sub("", kernel.text(messages))
+    assert reply["status"] == "ok", text
+    assert re.search(r"strategy +precision +micro-batch +accum +samples/s +peak memory +result", text), text
+    best = re.search(r"(ddp|fsdp) +no +(4|16) +(4|1) +[0-9,.]+ +[0-9,]+ MiB +ok  <- fastest", text)
+    assert best, text
+    strategy, size, accum = best.groups()
+    assert f"the next cells run with --strategy {strategy} --mixed-precision no --grad-accum {accum}" in text
+    reply, messages = kernel.execute("%%distributed\nprint(accelerator.distributed_type.value, "
+                                     "accelerator.gradient_accumulation_steps, micro_batch_size)")
+    expected = f"{'FSDP' if strategy == 'fsdp' else 'MULTI_CPU'} {accum} {size}"
+    assert f"[rank 1] {expected}" in kernel.text(messages)
+    status = ANSI.sub("", kernel.text(kernel.execute("%fleet status")[1]))
+    assert ("cell defaults (from %fleet tune): --strategy" in status) == ((strategy, accum) != ("ddp", "1")), status
+    reply, messages = kernel.execute("%%distributed --strategy ddp --grad-accum 1\n"
+                                     "print(accelerator.distributed_type.value, accelerator.gradient_accumulation_steps)")
+    assert "[rank 0] MULTI_CPU 1" in kernel.text(messages), "a flag on the cell overrides the tuned default"
+    kernel.execute("from workbench.magics import current_fleet\nfrom workbench import CellOptions\n"
+                   "current_fleet().cell_defaults = CellOptions()")
+
+
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 

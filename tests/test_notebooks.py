@@ -60,6 +60,19 @@ def test_notebook_runs_headless(path, tmp_path):
         assert "auto-recover 1/3: the engine of rank 1 died" in text
         assert "restored model, optimizer, rng from 'step-120' at step 120" in text
         assert "[rank 1] 3 ranks, at step 180" in text
+        # a straggler (30 ms of extra work per step on rank 2) is flagged on rank 2 only, then replaced
+        assert re.search(r"rank 2 is slow: its compute per step .* is [0-9.]+× the other ranks' median", text)
+        assert "rank 0 is slow" not in text and "rank 1 is slow" not in text
+        assert re.search(r"\n2 +\d+ +\d+ +\S+ +cpu +slow [0-9.]+×", text), "%fleet status shows it"
+        assert "restored model, optimizer, rng from 'step-220' at step 220" in text
+        assert "[rank 2] 3 ranks, at step 260" in text
+        # the tuner: a table, the fastest applied to the next cell, the trained model untouched
+        assert re.search(r"strategy +precision +micro-batch +accum +samples/s +peak memory +result", text)
+        best = re.search(r"\n(ddp|fsdp) +no +(16|64|256) +(16|4|1) +[0-9,.]+ +[0-9,]+ MiB +ok  <- fastest", text)
+        assert best, "the fastest configuration is marked"
+        kind = "FSDP" if best[1] == "fsdp" else "MULTI_CPU"
+        assert f"[rank 2] this cell: {kind}, accumulation {best[3]}, micro-batch {best[2]}; the trained model is " \
+               "still at step 260" in text
     if path.name == "05_parallelism.ipynb":
         losses = [float(x) for x in re.findall(r"loss after 30 steps: ([0-9.]+)", text)]
         assert len(losses) == 3 and max(losses) / min(losses) < 1.1, "hooks train like plain DDP"

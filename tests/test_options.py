@@ -11,9 +11,9 @@ import pytest
 from workbench import CellOptions, Fleet, FleetOptions, OptionsError
 from workbench.flags import distributed_parser, field_docs, fleet_parser, options_from
 from workbench.magics import WorkbenchMagics
-from workbench.options import CellCall
+from workbench.options import CellCall, TuneOptions
 
-OPTION_CLASSES = (FleetOptions, CellOptions, CellCall)
+OPTION_CLASSES = (FleetOptions, CellOptions, CellCall, TuneOptions)
 
 
 @pytest.mark.parametrize("cls", OPTION_CLASSES)
@@ -50,7 +50,7 @@ def test_flags_parse_into_the_fields():
     assert (options.n, options.wandb, options.hang_timeout, options.spares) == (3, False, 0.0, 1)
 
 
-@pytest.mark.parametrize("cls, magic", [(FleetOptions, WorkbenchMagics.fleet),
+@pytest.mark.parametrize("cls, magic", [(FleetOptions, WorkbenchMagics.fleet), (TuneOptions, WorkbenchMagics.fleet),
                                         (CellOptions, WorkbenchMagics.distributed),
                                         (CellCall, WorkbenchMagics.distributed)])
 def test_help_shows_every_flag_with_its_doc_choices_and_default(cls, magic):
@@ -69,6 +69,32 @@ def test_help_shows_every_flag_with_its_doc_choices_and_default(cls, magic):
         if f.default not in (None, False) and not isinstance(f.default, bool):
             assert f"(default {f.default:g})" in help_text if isinstance(f.default, float) \
                 else f"(default {f.default})" in help_text
+
+
+def test_flags_not_given_take_the_fleets_cell_defaults():
+    tuned = CellOptions(strategy="fsdp", grad_accum=4).to_dict()
+    args = distributed_parser().parse_line("--grad-accum 1", defaults=tuned)
+    assert options_from(args, CellOptions) == CellOptions(strategy="fsdp", grad_accum=1)
+    assert options_from(distributed_parser().parse_line(""), CellOptions) == CellOptions(), "the parser is unchanged"
+
+
+def test_tune_flags_and_the_defaults_filled_in_for_a_fleet():
+    args = fleet_parser().parse_args(["tune", "step", "--model", "build", "--batch", "make", "--micro-batches", "8,16",
+                                      "--strategies", "ddp,fsdp", "--max-memory", "4G", "--no-apply"])
+    assert (args.step, args.model, args.batch, args.optimizer) == ("step", "build", "make", None)
+    assert options_from(args, TuneOptions) == TuneOptions(micro_batches=[8, 16], strategies=["ddp", "fsdp"],
+                                                          max_memory="4G", apply=False)
+    filled = TuneOptions(global_batch=64).validate("cpu", world_size=2)
+    assert filled.micro_batches == [1, 2, 4, 8, 16, 32] and filled.strategies == ["ddp", "fsdp"]
+    assert filled.precisions == ["no"] and TuneOptions().validate("cuda", 8, nodes=2).precisions == ["no", "bf16"]
+    assert TuneOptions().validate("cuda", 8, nodes=2).strategies == ["ddp", "fsdp", "hsdp"]
+    assert TuneOptions(micro_batches=[3, 4, 8], global_batch=16).validate("cpu", 2).micro_batches == [4, 8]
+    for bad, message in [({"steps": 0}, "--steps must be a whole number >= 1"),
+                         ({"precisions": ["fp8"]}, "unknown mixed precision 'fp8'"),
+                         ({"micro_batches": [0]}, "a micro-batch size must be"),
+                         ({"max_memory": "12"}, "--max-memory '12' is below 1 MiB")]:
+        with pytest.raises(OptionsError, match=message):
+            TuneOptions(**bad).validate("cpu", 2)
 
 
 def test_fleet_takes_the_fields_and_names_the_nearest_for_a_typo():

@@ -17,6 +17,7 @@ _LAZY = {
     "llm": (".llm", None),
     "log": (".metrics", "log"),
     "progress": (".metrics", "progress"),
+    "tune": (".trials", "tune"),
     "CellOptions": (".options", "CellOptions"),
     "FleetOptions": (".options", "FleetOptions"),
     "DistributedCellError": (".execution", "DistributedCellError"),
@@ -38,6 +39,7 @@ __all__ = [
     "unload_ipython_extension",
     "log",
     "progress",
+    "tune",
 ]
 __version__ = "0.1.0"
 

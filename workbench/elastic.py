@@ -105,6 +105,19 @@ def _teardown(fleet) -> None:
     fleet.client[fleet.engine_ids()].apply_sync(rendezvous.leave)
 
 
+def handle_stragglers(fleet) -> None:
+    """After a cell: name a newly slow rank once; with --auto-replace-stragglers, replace it."""
+    from .metrics.stragglers import describe
+
+    slow = fleet.stragglers()
+    for rank in sorted(set(slow) - fleet.slow_reported):
+        print(f"workbench: {describe(rank, slow[rank])}; %fleet replace {rank} swaps it for a fresh engine "
+              "(keeping the training state)", file=sys.stderr, flush=True)
+    fleet.slow_reported |= set(slow)
+    if slow and fleet.options.auto_replace_stragglers:
+        auto_recover(fleet, f"rank {','.join(map(str, sorted(slow)))} is slow", replace=sorted(slow))
+
+
 def auto_recover(fleet, what: str, again: bool = False, replace: list[int] = ()) -> bool:
     """With ``--auto-recover`` (or ``replace``: --auto-replace-stragglers) and restarts left:
     say ``what`` happened, recover (replacing ``replace``), return True (``again``: the caller

@@ -15,7 +15,7 @@ from typing import Any
 from .messages import CellReply, MetricsMark
 from .metrics.logger import LOGGER
 from .options import CellOptions
-from .rank import STATE, limit_memory, namespace
+from .rank import STATE, is_out_of_memory, limit_memory, namespace
 
 
 def ensure_accelerator(options: CellOptions):
@@ -87,12 +87,7 @@ def _failure(exc: BaseException, skip_frames: int) -> CellReply:
 
 
 def _over_memory_limit(exc: BaseException) -> bool:
-    if STATE.memory_limit is None:
-        return False
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+    return STATE.memory_limit is not None and is_out_of_memory(exc)
 
 
 def _format(value: Any) -> dict:

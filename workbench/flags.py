@@ -22,7 +22,7 @@ import typing
 
 from IPython.core.error import UsageError
 
-from .options import CellCall, CellOptions, FleetOptions
+from .options import CellCall, CellOptions, FleetOptions, TuneOptions
 
 
 class MagicParser(argparse.ArgumentParser):
@@ -33,13 +33,14 @@ class MagicParser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(f"{self.prog}: {message}{self._did_you_mean(message)} (see {self.prog.split()[0]} -h)")
 
-    def parse_line(self, line: str) -> argparse.Namespace | None:
-        """Parse a magic's line; with ``-h``/``--help`` print the help instead and return None."""
+    def parse_line(self, line: str, defaults: dict | None = None) -> argparse.Namespace | None:
+        """Parse a magic's line (``defaults``: values of the flags not given, instead of the
+        parser's); with ``-h``/``--help`` print the help instead and return None."""
         tokens = shlex.split(line)
         if "-h" in tokens or "--help" in tokens:
             print(self.help_text(tokens[0] if tokens else None))
             return None
-        return self.parse_args(tokens)
+        return self.parse_args(tokens, namespace=argparse.Namespace(**(defaults or {})))
 
     def help_text(self, command: str | None = None) -> str:
         """Usage and every flag with its help; one sub-command's if ``command`` names one."""
@@ -113,6 +114,17 @@ def rank_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ranks, e.g. --ranks 0,1") from None
 
 
+def number_list(text: str) -> list[int]:
+    try:
+        return [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers, e.g. 8,16") from None
+
+
+def word_list(text: str) -> list[str]:
+    return [word.strip() for word in text.split(",") if word.strip()]
+
+
 def add_flags(parser: argparse.ArgumentParser, cls) -> None:
     """One flag per field of dataclass ``cls`` (fields marked ``api_only`` have none)."""
     hints = typing.get_type_hints(cls)
@@ -139,7 +151,8 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
             elif kind is float:
                 kwargs["type"] = number(float, "a number of seconds", meta.get("zero_ok", False))
             elif typing.get_origin(kind) is list:
-                kwargs["type"] = rank_list
+                kwargs["type"] = (rank_list if f.name == "ranks" else
+                                  number_list if typing.get_args(kind) == (int,) else word_list)
             if meta.get("metavar"):
                 kwargs["metavar"] = meta["metavar"]
             if f.default not in (None, False):
@@ -178,6 +191,16 @@ def fleet_parser() -> MagicParser:
                                         "accelerate launch (plus an sbatch file with --launcher slurm)")
     export.add_argument("path", help="the script to write, e.g. train.py")
     export.add_argument("--force", action="store_true", help="overwrite the files if they exist")
+    tune = sub.add_parser("tune", prog="%fleet tune", add_help=False,
+                          description="short trials of a training step over micro-batch sizes, gradient accumulation, "
+                                      "strategies and precisions; the fastest that fits becomes the next cells' default")
+    tune.add_argument("step", help="step(model, batch) -> loss, defined on the ranks (tune adds backward and the "
+                                   "optimizer step)")
+    tune.add_argument("--model", required=True, help="a model, or a function that builds one, on the ranks (never "
+                                                     "changed: each trial uses a fresh copy)")
+    tune.add_argument("--batch", required=True, help="batch(size) -> a batch of that many samples, on the ranks")
+    tune.add_argument("--optimizer", default=None, help="optimizer(params) on the ranks (default AdamW)")
+    add_flags(tune, TuneOptions)
     push = sub.add_parser("push", prog="%fleet push", add_help=False)
     push.add_argument("assignments", nargs="+", help="name=expression, evaluated in the kernel")
     return parser

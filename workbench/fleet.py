@@ -17,20 +17,24 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from . import engine, execution, group, rendezvous
 from .checkpoint.control import Checkpoints
 from .devices import EngineSlot, check_machine_fits, parse_gpu_list, plan_engines
 from .errors import FleetError, OptionsError
-from .launchers import LauncherSpec, parse_size
+from .launchers import LauncherSpec
 from .metrics.live import FleetMetrics
-from .options import CellOptions, FleetOptions
+from .options import CellOptions, FleetOptions, TuneOptions, parse_size
 from .output import ProgressLine
 from .pool import EnginePool, Member
 from .processes import Processes
 from .ranklogs import RankLogs
 from .runs import new_run_dir
+
+if TYPE_CHECKING:
+    from .trials import TuneResult
 
 __all__ = ["Fleet", "FleetOptions", "Member"]
 
@@ -76,6 +80,7 @@ class Fleet:
         self.checkpoints = Checkpoints(self)
         self.setup_cells: list[tuple[str, CellOptions]] = []  # replayed after scale / recovery
         self.training_cell: tuple[str, CellOptions] | None = None  # the last other cell run on every rank
+        self.cell_defaults = CellOptions()  # what a cell's flags fall back to (%fleet tune sets them)
         self.restarts = 0
         self.fresh_ranks: list[int] = []  # replaced after dying, not set up again yet: cells wait for recover
         self.replaying = False  # recover/scale replaying the setup cells (runs on fresh ranks too)
@@ -307,7 +312,9 @@ class Fleet:
             self.training_cell = (code, options)
         self._adopt_spares()  # spares that registered while the cell ran get warm now
         if not self.replaying:
-            self._handle_stragglers()
+            from .elastic import handle_stragglers
+
+            handle_stragglers(self)
         return result
 
     def stragglers(self) -> dict[int, float]:
@@ -320,19 +327,6 @@ class Fleet:
             return {}
         ranks = per_rank(self.metrics.store.since(self.group_mark))
         return {r: ratio for r, ratio in slow_ranks(ranks).items() if r < self.world_size}
-
-    def _handle_stragglers(self) -> None:
-        """Name a newly slow rank once; with --auto-replace-stragglers, replace it."""
-        from .elastic import auto_recover
-        from .metrics.stragglers import describe
-
-        slow = self.stragglers()
-        for rank in sorted(set(slow) - self.slow_reported):
-            print(f"workbench: {describe(rank, slow[rank])}; %fleet replace {rank} swaps it for a fresh engine "
-                  "(keeping the training state)", file=sys.stderr, flush=True)
-        self.slow_reported |= set(slow)
-        if slow and self.options.auto_replace_stragglers:
-            auto_recover(self, f"rank {','.join(map(str, sorted(slow)))} is slow", replace=sorted(slow))
 
     def _refuse_unrecovered(self) -> None:
         """A replaced rank has an empty namespace: running cells before %fleet recover would leave
@@ -374,9 +368,9 @@ class Fleet:
         self,
         code_or_function: str | Callable,
         *args: Any,
-        strategy: str = "ddp",
-        mixed_precision: str = "no",
-        grad_accum: int = 1,
+        strategy: str | None = None,
+        mixed_precision: str | None = None,
+        grad_accum: int | None = None,
         ranks=None,
         timeout: float | None = None,
         show_output: bool = True,
@@ -390,9 +384,11 @@ class Fleet:
         ``%%distributed`` cell (``accelerator``, ``rank``, ...) are defined.
         Tensors come back on CPU. Raises :class:`execution.DistributedCellError`
         if any rank raised. ``options`` (a :class:`CellOptions`, e.g. with ``tp=2``)
-        replaces ``strategy``, ``mixed_precision`` and ``grad_accum``.
+        replaces ``strategy``, ``mixed_precision`` and ``grad_accum``; what neither gives
+        comes from :attr:`cell_defaults` (ddp, no, 1 unless :meth:`tune` applied others).
         """
-        options = options or CellOptions(strategy=strategy, mixed_precision=mixed_precision, grad_accum=grad_accum)
+        given = {"strategy": strategy, "mixed_precision": mixed_precision, "grad_accum": grad_accum}
+        options = options or replace(self.cell_defaults, **{k: v for k, v in given.items() if v is not None})
         if callable(code_or_function):
             targets = self.targets(ranks)
             self._validate(options, targets)
@@ -409,6 +405,18 @@ class Fleet:
                 code_or_function, options, ranks=ranks, timeout=timeout, return_value=True, show_output=show_output
             )
         return result.values()
+
+    def tune(self, step: Callable | str, model: Any, batch: Callable | str, optimizer: Callable | str | None = None,
+             *, options: TuneOptions | None = None, **option_values: Any) -> "TuneResult":
+        """Short trials of a training step on every rank over micro-batch sizes, gradient
+        accumulation, strategies and precisions (:func:`workbench.trials.tune`: the arguments,
+        names of functions on the ranks or functions); returns the table. Unless ``apply=False``,
+        the fastest configuration that fit becomes :attr:`cell_defaults` and ``micro_batch_size``
+        is set on every rank. The model's trained state is never changed."""
+        from .tuner import tune_fleet
+
+        options = replace(options, **option_values) if options is not None else TuneOptions(**option_values)
+        return tune_fleet(self, step, model, batch, optimizer, options)
 
     def export(self, path: str, *, overwrite: bool = False) -> list[str]:
         """Write the recorded ``--setup`` cells and the last training cell as a script for

@@ -109,26 +109,6 @@ def parse_options(pairs: list[str]) -> dict:
     return options
 
 
-def parse_size(text) -> int | None:
-    """``"4G"``, ``"512M"``, ``"2GiB"`` or a number of bytes → bytes (None stays None)."""
-    if text is None:
-        return None
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-        raw = str(text).strip().upper().removesuffix("IB").removesuffix("B")
-        number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in units else (raw, "")
-        try:
-            value = int(float(number) * units[unit])
-        except ValueError:
-            raise OptionsError(f"--memory-limit takes a size like 4G or 512M (got {text!r})") from None
-    if value < 2**20:
-        raise OptionsError(f"--memory-limit {text!r} is below 1 MiB; write a unit, e.g. 4G")
-    return value
-
-
-
 class TemplateEngineLauncher(LocalEngineLauncher):
     """One local engine, forked from the fleet's engine template (:mod:`workbench.template`,
     listening in the runtime folder that holds the cluster's profile) once it is ready; a cold

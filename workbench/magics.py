@@ -18,7 +18,7 @@ from .errors import WorkbenchError
 from .execution import DistributedCellError
 from .flags import checkpoint_parser, distributed_parser, fleet_parser, metrics_parser, options_from
 from .fleet import Fleet
-from .options import CellCall, CellOptions, FleetOptions
+from .options import CellCall, CellOptions, FleetOptions, TuneOptions
 from .ranklogs import logs_dir
 from .status import status_table
 
@@ -138,6 +138,13 @@ class WorkbenchMagics(Magics):
             when its compute per step (step time minus time in collectives) is
             over 1.3x the other ranks' median over the last 20 steps;
             --auto-replace-stragglers replaces it after the cell that showed it.
+        %fleet tune STEP --model M --batch B [--optimizer O] [flags: see below]
+            Short trials of a training step, step(model, batch) -> loss, defined on
+            the ranks: every strategy x precision x micro-batch size (gradient
+            accumulation keeps --global-batch), a table of samples/s and peak
+            memory; running out of memory is a result. The fastest configuration
+            that fits becomes the next cells' default flags and micro_batch_size
+            on every rank. The model's trained state is never changed.
         %fleet pull NAME [--rank R]
             Copy NAME from a rank's namespace into the kernel (tensors to CPU):
             binds NAME in the kernel's namespace and returns the value.
@@ -154,7 +161,7 @@ class WorkbenchMagics(Magics):
         if args is None:  # -h: help printed
             return None
         if args.command is None:
-            raise UsageError("%fleet needs a command: start, status, scale, recover, replace, pull, push, export or stop "
+            raise UsageError("%fleet needs a command: start, status, scale, recover, replace, tune, pull, push, export or stop "
                              "(see %fleet?)")
         if args.command == "start":
             if self.session.current_fleet() is not None:
@@ -179,6 +186,10 @@ class WorkbenchMagics(Magics):
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         if args.command == "status":
             print(status_table(fleet.status()))
+            tuned = {k: v for k, v in fleet.cell_defaults.to_dict().items() if v != getattr(CellOptions(), k)}
+            if tuned:
+                print("cell defaults (from %fleet tune): " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                                      for k, v in tuned.items()))
             spares = fleet.spare_status()
             if spares["ready"] or spares["starting"]:
                 print(f"spares: {len(spares['ready'])} warm"
@@ -190,6 +201,9 @@ class WorkbenchMagics(Magics):
             fleet.recover(shrink=args.shrink)
         elif args.command == "replace":
             fleet.recover(replace=args.ranks)
+        elif args.command == "tune":
+            return fleet.tune(args.step, args.model, args.batch, args.optimizer,
+                              options=options_from(args, TuneOptions))
         elif args.command == "pull":
             value = self.shell.user_ns[args.name] = fleet.pull(args.name, rank=args.rank)
             return value
@@ -228,6 +242,8 @@ class WorkbenchMagics(Magics):
         The last expression's value on the first rank is shown as the result.
         --setup records the cell (model, optimizer, data): %fleet scale replays
         the recorded setup cells on every rank before restoring the state.
+        A flag not given takes the fleet's default: the one below, or what
+        %fleet tune chose (%fleet status shows it).
 
         Parallelism (applied by accelerator.prepare; see workbench.parallel):
         --comm-hook compresses DDP's all-reduce with torch's hooks; --strategy
@@ -244,10 +260,10 @@ class WorkbenchMagics(Magics):
         --strategy none wraps nothing, but the rank is still the distributed
         environment of accelerate launch (your own Accelerator() gathers).
         """
-        args = distributed_parser().parse_line(line)
+        fleet = self.session.current_fleet()
+        args = distributed_parser().parse_line(line, fleet.cell_defaults.to_dict() if fleet is not None else None)
         if args is None:  # -h: help printed
             return None
-        fleet = self.session.current_fleet()
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         call = options_from(args, CellCall)

@@ -53,6 +53,25 @@ def _choice(value, choices: tuple[str, ...], what: str) -> None:
         raise OptionsError(f"unknown {what} {value!r}; use one of: {', '.join(choices)}")
 
 
+def parse_size(text, what: str = "--memory-limit") -> int | None:
+    """``"4G"``, ``"512M"``, ``"2GiB"`` or a number of bytes → bytes (None stays None)."""
+    if text is None:
+        return None
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        raw = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+        number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in units else (raw, "")
+        try:
+            value = int(float(number) * units[unit])
+        except ValueError:
+            raise OptionsError(f"{what} takes a size like 4G or 512M (got {text!r})") from None
+    if value < 2**20:
+        raise OptionsError(f"{what} {text!r} is below 1 MiB; write a unit, e.g. 4G")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class CellOptions:
     """How a ``%%distributed`` cell trains: the Accelerator every rank builds from it (see
@@ -136,6 +155,61 @@ class CellCall:
     """stop the cell after S seconds"""
     setup: bool = False
     """record the cell (model, optimizer, data): replayed on every rank after %fleet scale or a recovery"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneOptions:
+    """What ``workbench.tune`` / ``%fleet tune`` tries: each strategy x precision x micro-batch
+    size, a short trial each (:mod:`workbench.trials`)."""
+
+    micro_batches: list[int] | None = flag(None, metavar="8,16,32")
+    """micro-batch sizes per rank, smallest first; running out of memory ends a series (default: 1, 2, 4, ...
+    up to the global batch per rank, or to 64)"""
+    global_batch: int | None = flag(None, metavar="N")
+    """samples per optimizer step over all ranks, kept by gradient accumulation (micro-batch x accumulation
+    x ranks); default: no accumulation"""
+    strategies: list[str] | None = flag(None, metavar="ddp,fsdp")
+    """strategies to try (default: ddp,fsdp, plus hsdp on more than one node)"""
+    precisions: list[str] | None = flag(None, metavar="no,bf16")
+    """mixed precisions to try (default: no, plus bf16 where the device computes it natively)"""
+    steps: int = flag(5, metavar="K")
+    """timed optimizer steps per trial"""
+    warmup: int = flag(2, metavar="K")
+    """optimizer steps per trial before the timing starts"""
+    max_memory: str | int | None = flag(None, metavar="SIZE")
+    """a trial whose peak memory on a rank is over this counts as out of memory, e.g. 8G (default: only a real
+    out-of-memory error)"""
+    tokens_per_sample: int | None = flag(None, metavar="T")
+    """tokens in one sample (e.g. the sequence length): adds tokens/s to the table"""
+    apply: bool = flag(True, name="--no-apply")
+    """only show the table (default: the fastest configuration becomes the defaults of the next cells)"""
+
+    def validate(self, device_type: str, world_size: int, nodes: int = 1) -> "TuneOptions":
+        """Raise :class:`OptionsError` for values no trial can use; returns the options with the
+        defaults filled in for this fleet (``micro_batches``, ``strategies``, ``precisions``)."""
+        _whole(self.steps, "--steps", 1)
+        _whole(self.warmup, "--warmup", 0)
+        if self.global_batch is not None:
+            _whole(self.global_batch, "--global-batch", 1)
+        if self.tokens_per_sample is not None:
+            _whole(self.tokens_per_sample, "--tokens-per-sample", 1)
+        parse_size(self.max_memory, "--max-memory")
+        for size in self.micro_batches or ():
+            _whole(size, "a micro-batch size", 1)
+        for strategy in self.strategies or ():
+            _choice(strategy, ("ddp", "fsdp", "hsdp"), "strategy to tune")
+        for precision in self.precisions or ():
+            _choice(precision, PRECISIONS, "mixed precision")
+        per_rank = self.global_batch // world_size if self.global_batch else 64
+        sizes = sorted(set(self.micro_batches or [2**i for i in range(per_rank.bit_length()) if 2**i <= per_rank]))
+        if self.global_batch:
+            sizes = [s for s in sizes if self.global_batch % (s * world_size) == 0]
+            if not sizes:
+                raise OptionsError(f"no micro-batch size divides --global-batch {self.global_batch} over {world_size} "
+                                   "ranks (micro-batch x accumulation x ranks must equal it)")
+        strategies = self.strategies or ["ddp", "fsdp"] + (["hsdp"] if nodes > 1 else [])
+        precisions = self.precisions or ["no"] + (["bf16"] if device_type == "cuda" else [])
+        return replace(self, micro_batches=sizes, strategies=list(strategies), precisions=list(precisions))
 
 
 @dataclass(kw_only=True)

@@ -76,3 +76,12 @@ def apply_memory_limit() -> None:
         return
     total = torch.cuda.get_device_properties(STATE.device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, STATE.memory_limit / total), STATE.device)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: CUDA's OutOfMemoryError, MemoryError, or
+    torch's CPU allocator refusing (``--memory-limit``'s address-space limit)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)

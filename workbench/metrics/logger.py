@@ -16,6 +16,7 @@ waits for the kernel.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import threading
@@ -57,6 +58,7 @@ class MetricsLogger:
         self._flush = threading.Event()
         self._thread: threading.Thread | None = None
         self._address: str | None = None
+        self._suspended = False
         self.cell_started()
 
     # ------------------------------------------------------------ training thread
@@ -117,7 +119,22 @@ class MetricsLogger:
             if self.flops_per_token and self.peak_flops:
                 system["mfu"] = system["tokens_per_s"] * self.flops_per_token / self.peak_flops
 
+    @contextlib.contextmanager
+    def suspended(self):
+        """Nothing measured inside is recorded (``workbench.tune``'s trials): ``workbench.step``
+        and the run's metrics stay as they were; the next step is timed from the end."""
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
+            self._stepped, self._samples, self._interval_start = None, 0, time.perf_counter()
+            self.comm.take(self._interval_start)
+
     def _record(self, step: int | None, scalars: dict, system: dict) -> None:
+        if self._suspended:
+            self.activity += 1  # still progress for the hang watch
+            return
         if step is None:
             step = self.step
         self.step = int(step) + 1
