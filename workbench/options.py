@@ -171,7 +171,7 @@ class TuneOptions:
     strategies: list[str] | None = flag(None, metavar="ddp,fsdp")
     """strategies to try (default: ddp,fsdp, plus hsdp on more than one node)"""
     precisions: list[str] | None = flag(None, metavar="no,bf16")
-    """mixed precisions to try (default: no, plus bf16 where the device computes it natively)"""
+    """mixed precisions to try (default: no, plus bf16 on a GPU)"""
     steps: int = flag(5, metavar="K")
     """timed optimizer steps per trial"""
     warmup: int = flag(2, metavar="K")

@@ -111,7 +111,7 @@ def tune(step: Callable | str, model: Any, batch: Callable | str, optimizer: Cal
     Each may also be the name of one in this rank's namespace. The rest are
     :class:`~workbench.options.TuneOptions` fields (``micro_batches=[8, 16]``, ``global_batch=64``,
     ``strategies=["ddp", "fsdp"]``, ``precisions``, ``steps``, ``warmup``, ``max_memory``,
-    ``tokens_per_sample``).
+    ``tokens_per_sample``; ``apply`` is for ``%fleet tune``: here nothing is applied).
     """
     if STATE.spec is None:
         raise RuntimeError("workbench.tune runs on the ranks of a fleet: call it in a %%distributed cell")
