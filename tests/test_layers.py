@@ -29,9 +29,9 @@ ENGINE_SIDE = [
     "workbench.parallel.tensor",
     "workbench.parallel.hooks",
 ]
-KERNEL_SIDE = ("ipyparallel.client", "ipywidgets", "IPython.core.magic", "workbench.fleet", "workbench.execution",
-               "workbench.panel", "workbench.magics", "workbench.elastic", "workbench.metrics.dashboard",
-               "workbench.metrics.collector", "workbench.checkpoint.control")
+KERNEL_SIDE = ("ipyparallel.client", "ipywidgets", "IPython.core.magic", "workbench.fleet", "workbench.cells",
+               "workbench.execution", "workbench.panel", "workbench.magics", "workbench.elastic",
+               "workbench.metrics.dashboard", "workbench.metrics.collector", "workbench.checkpoint.control")
 
 PROBE = """
 import importlib, json, sys
@@ -147,6 +147,7 @@ KERNEL_LAYERS = [
      "workbench.watchdog"],
     ["workbench.pool", "workbench.metrics.live", "workbench.execution", "workbench.export"],
     ["workbench.group", "workbench.status", "workbench.checkpoint.control", "workbench.elastic", "workbench.tuner"],
+    ["workbench.cells"],
     ["workbench.fleet"],
     ["workbench.panel", "workbench.labpanel", "workbench.testing"],
     ["workbench.magics"],

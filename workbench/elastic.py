@@ -19,7 +19,7 @@ import time
 from . import engine, rendezvous
 from .checkpoint import replica
 from .checkpoint.api import abandon as abandon_saves
-from .errors import OptionsError
+from .errors import FleetError, OptionsError
 from .output import ProgressLine
 
 
@@ -131,6 +131,16 @@ def auto_recover(fleet, what: str, again: bool = False, replace: list[int] = ())
     return True
 
 
+def recover_if_dead(fleet) -> None:
+    """An engine that died between cells: recover (with --auto-recover) or say what to do."""
+    dead = fleet.pool.dead_ranks(settle_s=0.0)
+    if not dead or auto_recover(fleet, f"the engine of rank {','.join(map(str, dead))} died"):
+        return
+    causes = "; ".join(fleet.pool.loss(r)[1] for r in dead)
+    raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, gives every "
+                     "rank a survivor's state or the latest checkpoint)")
+
+
 def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
     the process group, replay the setup cells on every rank, then give every rank the
@@ -180,7 +190,7 @@ def scale(fleet, n: int) -> dict:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise OptionsError(f"scale needs a whole number of ranks >= 1 (got {n!r}); e.g. %fleet scale 3")
     fleet.targets(None)
-    fleet.recover_if_dead()
+    recover_if_dead(fleet)
     if fleet.fresh_ranks:
         raise OptionsError(f"rank {','.join(map(str, fleet.fresh_ranks))} was replaced and has no state yet; "
                            "run %fleet recover before scaling")

@@ -7,7 +7,7 @@ coordinates
 - their processes (:mod:`workbench.processes`): controller, engine template, reaper;
 - the process group (:mod:`workbench.group`), the run's metrics
   (:mod:`workbench.metrics.live`) and checkpoints (:mod:`workbench.checkpoint.control`);
-- cells (:mod:`workbench.execution`), rescale and recovery (:mod:`workbench.elastic`).
+- cells (:mod:`workbench.cells`, supervised by :mod:`workbench.execution`), rescale and recovery (:mod:`workbench.elastic`).
 
 Its options are :class:`workbench.options.FleetOptions` (the same as ``%fleet start``'s flags).
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from . import engine, execution, group, rendezvous
+from . import cells, elastic, engine, group, rendezvous
 from .checkpoint.control import Checkpoints
 from .devices import EngineSlot, check_machine_fits, parse_gpu_list, plan_engines
 from .errors import FleetError, OptionsError
@@ -34,6 +34,7 @@ from .ranklogs import RankLogs
 from .runs import new_run_dir
 
 if TYPE_CHECKING:
+    from .execution import CellResult
     from .trials import TuneResult
 
 __all__ = ["Fleet", "FleetOptions", "Member"]
@@ -194,15 +195,15 @@ class Fleet:
         self.pool.client[engine_ids].apply_sync(engine.attach, self.metrics.address, self.run_dir,
                                                 self.memory_limit, self.device_type == "cpu")
 
-    def _adopt_spares(self) -> None:
-        """Spares that registered since become warm (torch and accelerate imported)."""
+    def adopt_spares(self) -> None:
+        """Spare engines that registered since become warm (torch and accelerate imported)."""
         if adopted := self.pool.adopt_spares():
             self.pool.client[adopted].apply_async(engine.warm)
 
     def spare_status(self) -> dict:
         """Warm spare engines (ready to take a rank) and spares still starting."""
         if self.running:
-            self._adopt_spares()
+            self.adopt_spares()
         return self.pool.spare_status()
 
     # ------------------------------------------------------------------ engines and the process group
@@ -246,76 +247,17 @@ class Fleet:
     # ------------------------------------------------------------------ running code
     def targets(self, ranks) -> list[int]:
         """``ranks`` (None: all) checked against this fleet: a sorted list, or a one-line error."""
-        if not self.running:
-            raise FleetError("no fleet is running; start one with %fleet start -n 2 (or Fleet(n=2).start())")
-        if ranks is None:
-            return list(range(self.world_size))
-        if isinstance(ranks, int):
-            ranks = [ranks]
-        if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-            raise OptionsError(f"ranks are whole numbers, e.g. ranks=[0, 1] (got {list(ranks)!r})")
-        ranks = sorted(set(ranks))
-        bad = [r for r in ranks if not 0 <= r < self.world_size]
-        if bad or not ranks:
-            raise OptionsError(
-                f"rank {','.join(map(str, bad)) or '(none)'} is out of range: this fleet has ranks "
-                f"0-{self.world_size - 1}"
-            )
-        return ranks
+        return cells.targets(self, ranks)
 
-    def _validate(self, options: CellOptions, targets: list[int]) -> None:
-        options.validate(self.device_type, self.world_size, len({m.host for m in self.members}), self.backend)
-        if (options.custom_parallel or options.comm_hook) and len(targets) != self.world_size:
-            raise OptionsError("hsdp, --tp, --pp and --comm-hook need every rank (they build the mesh or DDP "
-                               "on the whole group); drop --ranks")
-
-    def execute(
-        self,
-        code: str,
-        options: CellOptions,
-        *,
-        ranks=None,
-        timeout: float | None = None,
-        return_value: bool = False,
-        show_output: bool = True,
-        setup: bool = False,
-    ) -> "execution.CellResult":
-        """Run ``code`` as a cell on ``ranks``: the engine of ``%%distributed``.
+    def execute(self, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
+                return_value: bool = False, show_output: bool = True, setup: bool = False) -> "CellResult":
+        """Run ``code`` as a cell on ``ranks``: the engine of ``%%distributed`` (:mod:`workbench.cells`).
 
         ``setup``: record the cell (once it ran on every rank without error) to be
         replayed on every rank after :meth:`scale` or a recovery.
         """
-        targets = self.targets(ranks)
-        self._validate(options, targets)
-        if setup and ranks is not None and len(targets) != self.world_size:
-            raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
-        self.recover_if_dead()
-        self._refuse_unrecovered()
-        self.cells_run += 1
-        name = f"distributed-cell-{self.cells_run}"
-        args = (code, options.to_dict(), name, return_value, not return_value)
-        try:
-            result = execution.run_on_ranks(self, targets, engine.run_cell, args, timeout=timeout,
-                                            show_output=show_output, title=name)
-        except execution.DistributedCellError as exc:
-            from .elastic import auto_recover
-
-            what = (f"the engine of rank {','.join(map(str, exc.dead))} died" if exc.dead
-                    else f"rank {','.join(map(str, exc.hung))} hung")
-            if not ((exc.dead or exc.hung) and auto_recover(self, f"{what} during the cell", again=True)):
-                raise
-            return self.execute(code, options, ranks=ranks, timeout=timeout, return_value=return_value,
-                                show_output=show_output, setup=setup)
-        if setup:
-            self.setup_cells = [c for c in self.setup_cells if c[0] != code] + [(code, options)]
-        elif ranks is None and not self.replaying:
-            self.training_cell = (code, options)
-        self._adopt_spares()  # spares that registered while the cell ran get warm now
-        if not self.replaying:
-            from .elastic import handle_stragglers
-
-            handle_stragglers(self)
-        return result
+        return cells.execute(self, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
+                             show_output=show_output, setup=setup)
 
     def stragglers(self) -> dict[int, float]:
         """Slow ranks of the current process group: ``{rank: compute ratio}``
@@ -328,39 +270,17 @@ class Fleet:
         ranks = per_rank(self.metrics.store.since(self.group_mark))
         return {r: ratio for r, ratio in slow_ranks(ranks).items() if r < self.world_size}
 
-    def _refuse_unrecovered(self) -> None:
-        """A replaced rank has an empty namespace: running cells before %fleet recover would leave
-        ranks at different steps and parameters (and end in a collective timeout)."""
-        if self.fresh_ranks and not self.replaying:
-            raise FleetError(f"rank {','.join(map(str, self.fresh_ranks))} was replaced by a fresh engine (empty "
-                             "namespace); run %fleet recover first, so that every rank has the same state")
-
-    def recover_if_dead(self) -> None:
-        """An engine that died between cells: recover (with --auto-recover) or say what to do."""
-        from .elastic import auto_recover
-
-        dead = self.pool.dead_ranks(settle_s=0.0)
-        if not dead or auto_recover(self, f"the engine of rank {','.join(map(str, dead))} died"):
-            return
-        causes = "; ".join(self.pool.loss(r)[1] for r in dead)
-        raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, gives every "
-                         "rank a survivor's state or the latest checkpoint)")
-
     def scale(self, n: int) -> dict:
         """Resize to ``n`` ranks mid-session: checkpoint, new process group, setup replay,
         resharded restore (see :mod:`workbench.elastic`). Returns each phase's seconds."""
-        from .elastic import scale
-
-        return scale(self, n)
+        return elastic.scale(self, n)
 
     def recover(self, shrink: bool = False, replace: list[int] = ()) -> dict:
         """After an engine died: replace it (``shrink``: go on without it), rebuild the
         group, replay the setup cells, then restore the survivors' state (a live replica) or the
         latest checkpoint (:mod:`workbench.elastic`). ``replace``: live ranks to swap for fresh
         engines the same way (a straggler: ``%fleet replace R``)."""
-        from .elastic import recover
-
-        result = recover(self, shrink=shrink, replace=self.targets(list(replace)) if replace else [])
+        result = elastic.recover(self, shrink=shrink, replace=self.targets(list(replace)) if replace else [])
         self.fresh_ranks = []
         return result
 
@@ -382,7 +302,7 @@ class Fleet:
         A string returns the value of its last expression on each rank; a
         function is called as ``fn(*args, **kwargs)``. Inside, the names of a
         ``%%distributed`` cell (``accelerator``, ``rank``, ...) are defined.
-        Tensors come back on CPU. Raises :class:`execution.DistributedCellError`
+        Tensors come back on CPU. Raises :class:`~workbench.execution.DistributedCellError`
         if any rank raised. ``options`` (a :class:`CellOptions`, e.g. with ``tp=2``)
         replaces ``strategy``, ``mixed_precision`` and ``grad_accum``; what neither gives
         comes from :attr:`cell_defaults` (ddp, no, 1 unless :meth:`tune` applied others).
@@ -390,17 +310,11 @@ class Fleet:
         given = {"strategy": strategy, "mixed_precision": mixed_precision, "grad_accum": grad_accum}
         options = options or replace(self.cell_defaults, **{k: v for k, v in given.items() if v is not None})
         if callable(code_or_function):
-            targets = self.targets(ranks)
-            self._validate(options, targets)
-            self._refuse_unrecovered()
-            call = (code_or_function, args, kwargs, options.to_dict())
-            result = execution.run_on_ranks(
-                self, targets, engine.run_function, call, timeout=timeout, show_output=show_output,
-                title=f"function {getattr(code_or_function, '__qualname__', 'call')}",
-            )
+            result = cells.call(self, code_or_function, args, kwargs, options, ranks=ranks, timeout=timeout,
+                                show_output=show_output)
+        elif args or kwargs:
+            raise OptionsError("extra arguments are only accepted when running a function, not a code string")
         else:
-            if args or kwargs:
-                raise OptionsError("extra arguments are only accepted when running a function, not a code string")
             result = self.execute(
                 code_or_function, options, ranks=ranks, timeout=timeout, return_value=True, show_output=show_output
             )
@@ -451,5 +365,5 @@ class Fleet:
 
         if not self.running:
             return []
-        self._adopt_spares()
+        self.adopt_spares()
         return status_rows(self.pool, self.stragglers())

@@ -1,0 +1,99 @@
+"""Kernel side: a cell's way onto the fleet (``Fleet.execute`` / ``Fleet.run``).
+
+Before a cell runs: the ranks it names and its options are checked against the fleet,
+an engine that died since the last cell is recovered (or the user is told how), and
+ranks replaced by fresh engines refuse cells until ``%fleet recover``. While it runs,
+:mod:`workbench.execution` streams and supervises it. When a rank is lost during it,
+``--auto-recover`` recovers and runs it again. After it: setup and training cells are
+recorded for replay and export, and stragglers are named (:mod:`workbench.elastic`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import engine, execution
+from .elastic import auto_recover, handle_stragglers, recover_if_dead
+from .errors import FleetError, OptionsError
+from .options import CellOptions
+
+
+def targets(fleet, ranks) -> list[int]:
+    """``ranks`` (None: all) checked against ``fleet``: a sorted list, or a one-line error."""
+    if not fleet.running:
+        raise FleetError("no fleet is running; start one with %fleet start -n 2 (or Fleet(n=2).start())")
+    if ranks is None:
+        return list(range(fleet.world_size))
+    if isinstance(ranks, int):
+        ranks = [ranks]
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise OptionsError(f"ranks are whole numbers, e.g. ranks=[0, 1] (got {list(ranks)!r})")
+    ranks = sorted(set(ranks))
+    bad = [r for r in ranks if not 0 <= r < fleet.world_size]
+    if bad or not ranks:
+        raise OptionsError(
+            f"rank {','.join(map(str, bad)) or '(none)'} is out of range: this fleet has ranks "
+            f"0-{fleet.world_size - 1}"
+        )
+    return ranks
+
+
+def _admit(fleet, options: CellOptions, ranks) -> list[int]:
+    """The cell's target ranks, once its options fit the fleet and every rank has the same state."""
+    chosen = targets(fleet, ranks)
+    options.validate(fleet.device_type, fleet.world_size, len({m.host for m in fleet.members}), fleet.backend)
+    if (options.custom_parallel or options.comm_hook) and len(chosen) != fleet.world_size:
+        raise OptionsError("hsdp, --tp, --pp and --comm-hook need every rank (they build the mesh or DDP "
+                           "on the whole group); drop --ranks")
+    return chosen
+
+
+def _refuse_unrecovered(fleet) -> None:
+    """A replaced rank has an empty namespace: running cells before %fleet recover would leave
+    ranks at different steps and parameters (and end in a collective timeout)."""
+    if fleet.fresh_ranks and not fleet.replaying:
+        raise FleetError(f"rank {','.join(map(str, fleet.fresh_ranks))} was replaced by a fresh engine (empty "
+                         "namespace); run %fleet recover first, so that every rank has the same state")
+
+
+def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
+            return_value: bool = False, show_output: bool = True, setup: bool = False) -> execution.CellResult:
+    """Run ``code`` as a cell on ``ranks`` of ``fleet`` (see ``Fleet.execute``)."""
+    chosen = _admit(fleet, options, ranks)
+    if setup and ranks is not None and len(chosen) != fleet.world_size:
+        raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
+    recover_if_dead(fleet)
+    _refuse_unrecovered(fleet)
+    fleet.cells_run += 1
+    name = f"distributed-cell-{fleet.cells_run}"
+    args = (code, options.to_dict(), name, return_value, not return_value)
+    try:
+        result = execution.run_on_ranks(fleet, chosen, engine.run_cell, args, timeout=timeout,
+                                        show_output=show_output, title=name)
+    except execution.DistributedCellError as exc:
+        what = (f"the engine of rank {','.join(map(str, exc.dead))} died" if exc.dead
+                else f"rank {','.join(map(str, exc.hung))} hung")
+        if not ((exc.dead or exc.hung) and auto_recover(fleet, f"{what} during the cell", again=True)):
+            raise
+        return execute(fleet, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
+                       show_output=show_output, setup=setup)
+    if setup:
+        fleet.setup_cells = [c for c in fleet.setup_cells if c[0] != code] + [(code, options)]
+    elif ranks is None and not fleet.replaying:
+        fleet.training_cell = (code, options)
+    fleet.adopt_spares()  # spares that registered while the cell ran get warm now
+    if not fleet.replaying:
+        handle_stragglers(fleet)
+    return result
+
+
+def call(fleet, function: Callable, args: tuple, kwargs: dict, options: CellOptions, *, ranks=None,
+         timeout: float | None = None, show_output: bool = True) -> execution.CellResult:
+    """Call ``function(*args, **kwargs)`` on ``ranks`` of ``fleet``, with a cell's names defined."""
+    chosen = _admit(fleet, options, ranks)
+    _refuse_unrecovered(fleet)
+    return execution.run_on_ranks(
+        fleet, chosen, engine.run_function, (function, args, kwargs, options.to_dict()), timeout=timeout,
+        show_output=show_output, title=f"function {getattr(function, '__qualname__', 'call')}",
+    )
+
