@@ -16,7 +16,7 @@ from workbench.metrics.dashboard import Dashboard, downsample
 from workbench.metrics.wandb_sink import wandb_mode
 
 TRAIN = """
-import torch
+import time, torch
 torch.manual_seed(rank)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -82,8 +82,9 @@ def test_explicit_steps_and_bad_values(fleet):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "none"])
 def test_builtin_measurements_without_user_code(fleet, strategy):
+    """Steps of 20 ms and more (the sleep) carry every measurement."""
     start = len(fleet.metrics.store)
-    fleet.run(TRAIN.format(steps=12, log="pass"), strategy=strategy, show_output=False)
+    fleet.run(TRAIN.format(steps=12, log="time.sleep(0.02)"), strategy=strategy, show_output=False)
     records = _cell_records(fleet, start)
     assert len(records) == 2 * 12, "one record per optimizer step and rank"
     for record in records:
@@ -100,9 +101,28 @@ def test_builtin_measurements_without_user_code(fleet, strategy):
         assert statistics.fmean(comm) < statistics.fmean(r.system["step_time_s"] for r in later)
 
 
+def test_short_ddp_steps_carry_ddps_communication_time_every_20_ms(fleet):
+    """Reading DDP's statistics costs tens of µs after a step: steps shorter than 20 ms carry
+    it on the first step of a cell and then as soon as 20 ms have passed since the last reading."""
+    from workbench.metrics.comm import DDP_READ_EVERY_S
+
+    start = len(fleet.metrics.store)
+    fleet.run(TRAIN.format(steps=60, log="pass"), show_output=False)
+    for rank in (0, 1):
+        records = [r for r in _cell_records(fleet, start) if r.rank == rank]
+        assert len(records) == 60 and "comm_s" in records[0].system
+        read = [i for i, r in enumerate(records) if "comm_s" in r.system]
+        for before, after in zip(read, read[1:]):
+            between = [r.system["step_time_s"] for r in records[before + 1:after + 1]]
+            assert sum(between) > DDP_READ_EVERY_S - 1e-9 and sum(between[:-1]) < DDP_READ_EVERY_S + 1e-9, between
+        assert sum(r.system["step_time_s"] for r in records[read[-1] + 1:]) < DDP_READ_EVERY_S + 1e-9
+        assert all(records[i].system["comm_s"] >= 0 for i in read)
+
+
 def test_user_logs_carry_the_step_measurements_and_grad_accum_counts_real_steps(fleet):
     start = len(fleet.metrics.store)
-    fleet.run(TRAIN.format(steps=10, log="workbench.log(loss=loss.item(), samples=16)"), show_output=False)
+    fleet.run(TRAIN.format(steps=10, log="workbench.log(loss=loss.item(), samples=16); time.sleep(0.02)"),
+              show_output=False)
     records = _cell_records(fleet, start)
     assert len(records) == 2 * 10
     assert all("loss" in r.scalars for r in records)
@@ -225,7 +245,7 @@ def test_summary_text_for_headless_runs(fleet, capsys):
     out = capsys.readouterr().out
     assert "scalar  rank  last" in out
     loss_rows = [line.split() for line in out.splitlines() if line.startswith("loss")]
-    assert [row[1] for row in loss_rows] == ["0", "1"]
+    assert [row[1] for row in loss_rows] == ["0", "1"], out
     assert all(row[2:5] == ["0.2", "0.2", "0.4567"] for row in loss_rows), loss_rows
     assert "steps/s" in out and "comm ms" in out
 

@@ -179,10 +179,10 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     ``KeyboardInterrupt`` after an interrupt (once every rank has stopped).
     """
     started = time.monotonic()
+    watch = fleet.metrics.watch(show_output)  # before submitting: a quick rank's records can arrive at once
     pending = {r: fleet.pool.view(fleet.member(r).engine_id).apply_async(function, *args) for r in ranks}
     submitted = dict(pending)  # pending loses ranks as they finish; their output stays
     output = RankOutput(ranks) if show_output else None
-    watch = fleet.metrics.watch(show_output)
     hang_watch = HangWatch(fleet, ranks, fleet.hang_timeout)
     hangs = []
     shown_outputs = 0

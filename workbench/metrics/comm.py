@@ -10,6 +10,8 @@ import collections
 import time
 import weakref
 
+DDP_READ_EVERY_S = 0.02  # reading DDP's statistics right after a step costs ~40 µs (cold maps of strings)
+
 
 class CommClock:
     """Intervals during which collectives were in flight; thread-safe appends."""
@@ -19,6 +21,7 @@ class CommClock:
         self._ddp: list = []  # weak references to DDP models timed by their own reducer
         self.launched = 0  # collectives started (part of the rank's heartbeat)
         self.sync_expected = False  # the last DDP forward prepared a gradient all-reduce for its backward
+        self._ddp_read_at = float("-inf")
 
     def add(self, start: float, end: float) -> None:
         self._done.append((start, end))
@@ -29,26 +32,27 @@ class CommClock:
         model._workbench_comm_end = None
         self._ddp.append(weakref.ref(model))
 
-    def watch_sync(self, model) -> None:
-        """Note at each forward of DDP ``model`` whether its backward will all-reduce the
-        gradients (DDP decides there: not under ``no_sync()`` or ``torch.no_grad()``)."""
-        import torch
-
-        def pre_forward(module, _args):
-            self.sync_expected = module.require_backward_grad_sync and torch.is_grad_enabled()
-
-        model.register_forward_pre_hook(pre_forward)
-
     def ddp_syncing(self) -> bool:
         """The last DDP forward's backward all-reduces gradients (DDP then waits for its peers in it)."""
         return self.sync_expected
 
-    def take(self, now: float) -> float:
-        """Seconds covered by the intervals finished since the last call."""
+    def take(self, now: float) -> float | None:
+        """Seconds covered by the intervals finished since the last call; None when a DDP
+        model's figure was read less than ``DDP_READ_EVERY_S`` ago (steps that short get
+        it every few steps: the reading would cost them more than 1 %)."""
         intervals = []
         while self._done:
             intervals.append(self._done.popleft())
+        if self._ddp and now - self._ddp_read_at < DDP_READ_EVERY_S:
+            return None
+        self._ddp_read_at = now
         return _union(intervals) + self._take_ddp()
+
+    def restart(self) -> None:
+        """Forget what ran so far (a new cell, the end of a trial); the next step reads DDP's figure."""
+        self._done.clear()
+        self._take_ddp()
+        self._ddp_read_at = float("-inf")
 
     def _take_ddp(self) -> float:
         total = 0.0
@@ -58,7 +62,7 @@ class CommClock:
             if model is None:
                 continue
             alive.append(ref)
-            data = model.logger._get_ddp_logging_data().ints_map  # 7 µs (the merged dict of strings: 40)
+            data = model.logger._get_ddp_logging_data().ints_map  # (the merged dict of strings: slower)
             end = data.get("backward_comm_time_end")
             if end is not None and end != model._workbench_comm_end:  # a backward not counted yet
                 model._workbench_comm_end = end

@@ -5,7 +5,8 @@ training loop reports step time, throughput and communication time without
 user code:
 
 - DDP: with no ``--comm-hook``, DDP's own runtime statistics (its C++ reducer
-  times each backward's communication; sampled every step), because any Python
+  times each backward's communication; sampled every step, read at most every 20 ms,
+  so steps shorter than that carry the figure every few steps), because any Python
   comm hook, even torch's ``allreduce_hook``, costs an extra pass over the
   gradients (the division the reducer otherwise fuses into its bucket copy: ~2 %
   of a 40 ms step here); with ``--comm-hook`` (:mod:`workbench.parallel.hooks`),
@@ -77,8 +78,15 @@ def _wrap_fsdp_comms(model, clock: CommClock) -> None:
                 group._reduce_scatter_comm = TimedReduceScatter(group._reduce_scatter_comm)
 
 
-def _count_samples(logger):
-    def hook(_module, args, kwargs):
+def _before_forward(logger, ddp: bool):
+    """A forward pre-hook that counts samples and, on a DDP model (``ddp``), notes whether its
+    backward will all-reduce the gradients (DDP decides in its forward: not under
+    ``no_sync()`` or ``torch.no_grad()``); the heartbeat then knows a wait in backward is one."""
+    import torch
+
+    def hook(module, args, kwargs):
+        if ddp:
+            logger.comm.sync_expected = module.require_backward_grad_sync and torch.is_grad_enabled()
         for value in (*args, *kwargs.values()):
             shape = getattr(value, "shape", None)
             if shape is not None and len(shape) > 0:
@@ -128,8 +136,8 @@ def instrument(obj, logger, options=None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         hook = options.comm_hook if options is not None else None
-        if isinstance(obj, DistributedDataParallel):
-            logger.comm.watch_sync(obj)
+        ddp = isinstance(obj, DistributedDataParallel)
+        if ddp:
             if obj._comm_hooks:
                 pass  # the user's own hook: left alone, not timed
             elif hook is None:
@@ -141,7 +149,7 @@ def instrument(obj, logger, options=None) -> None:
                 obj.register_comm_hook(state, _timed_comm_hook(logger.comm, inner))
         elif isinstance(obj, FSDPModule):
             _wrap_fsdp_comms(obj, logger.comm)
-        obj.register_forward_pre_hook(_count_samples(logger), with_kwargs=True)
+        obj.register_forward_pre_hook(_before_forward(logger, ddp), with_kwargs=True)
     elif hasattr(obj, "optimizer") and isinstance(obj.optimizer, torch.optim.Optimizer):
         # accelerate's optimizer wrapper skips the inner step while accumulating
         obj.optimizer.register_step_post_hook(lambda *_: logger.optimizer_stepped())

@@ -69,7 +69,7 @@ class MetricsLogger:
         self.cells += 1
         self._samples = 0
         self._stepped: dict | None = None  # measurements of an optimizer step not yet logged
-        self.comm.take(self._interval_start)
+        self.comm.restart()
 
     def cell_finished(self) -> None:
         self._emit_stepped()
@@ -101,7 +101,10 @@ class MetricsLogger:
     def _measure(self, scalars: dict) -> dict:
         now = time.perf_counter()
         interval = max(now - self._interval_start, 1e-9)
-        system = {"step_time_s": interval, "comm_s": self.comm.take(now)}
+        system = {"step_time_s": interval}
+        comm = self.comm.take(now)
+        if comm is not None:
+            system["comm_s"] = comm
         if self._samples:
             system["samples_per_s"] = self._samples / interval
         self._add_rates(system, scalars)
@@ -129,7 +132,7 @@ class MetricsLogger:
         finally:
             self._suspended = False
             self._stepped, self._samples, self._interval_start = None, 0, time.perf_counter()
-            self.comm.take(self._interval_start)
+            self.comm.restart()
 
     def _record(self, step: int | None, scalars: dict, system: dict) -> None:
         if self._suspended:

@@ -4,7 +4,8 @@ The rule (documented in the README): a step's *compute* is its step time minus t
 collectives were in flight (``step_time_s − comm_s``). In synchronous training a slow rank
 makes its peers wait inside their collectives, which counts as their communication time,
 so the flag lands on the slow rank, not on the ones waiting. Over the last ``WINDOW`` steps
-of each rank, a rank is **slow** when the median of its compute is more than ``RATIO`` × the
+of each rank that carry a communication time (DDP steps under 20 ms carry one every few
+steps), a rank is **slow** when the median of its compute is more than ``RATIO`` × the
 median of the other ranks' medians, and more by at least ``MIN_EXTRA_S`` (a few
 milliseconds of jitter on a tiny step is not a straggler). Every rank needs ``MIN_STEPS``
 steps in the window first.
@@ -24,12 +25,13 @@ MIN_EXTRA_S = 0.005
 
 def _compute_times(records: list[Record]) -> list[float]:
     """Compute seconds of the last ``WINDOW`` step records (records without a step time are
-    ``workbench.log`` calls between optimizer steps, or the first step of a cell: skipped)."""
+    ``workbench.log`` calls between optimizer steps, or the first step of a cell; records without
+    a communication time are DDP steps shorter than its reading interval: skipped)."""
     times = []
     for record in reversed(records):
-        step = record.system.get("step_time_s")
-        if step is not None:
-            times.append(max(0.0, step - (record.system.get("comm_s") or 0.0)))
+        step, comm = record.system.get("step_time_s"), record.system.get("comm_s")
+        if step is not None and comm is not None:
+            times.append(max(0.0, step - comm))
             if len(times) == WINDOW:
                 break
     return times
