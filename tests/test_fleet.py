@@ -348,6 +348,11 @@ def test_a_dead_nanny_or_a_dead_engine_and_nanny_hang_nothing():
 
 
 def test_each_rank_output_is_kept_in_the_run_folder(fleet):
+    for i in range(40):  # not shown: the reply still often wins over the output, which the log must keep
+        fleet.run(f"print('logged {i}', rank)", show_output=False)
+        for rank in (0, 1):
+            with open(os.path.join(fleet.run_dir, "logs", f"rank-{rank}.log")) as f:
+                assert f"logged {i} {rank}\n" in f.read()[-2000:], (i, rank)
     fleet.run("import sys\nprint('kept for later', rank)\nprint('a warning', rank, file=sys.stderr)", show_output=False)
     for rank in (0, 1):
         path = os.path.join(fleet.run_dir, "logs", f"rank-{rank}.log")

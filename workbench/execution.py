@@ -263,10 +263,11 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                 stopper = _Stopper("interrupt", time.monotonic())
             else:
                 stopper.hurry()
-    if output is not None:
+    logged = title is not None and fleet.rank_logs is not None
+    if output is not None or logged:  # the rank logs keep the output even when it is not shown
         _wait_for_output(submitted, result.replies)
     refresh(force=True)
-    if title is not None and fleet.rank_logs is not None:
+    if logged:
         fleet.rank_logs.cell(title, {r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr"))
                                      for r, ar in submitted.items()})
     watch.finish(result.replies)
