@@ -7,7 +7,8 @@ coordinates
 - their processes (:mod:`workbench.processes`): controller, engine template, reaper;
 - the process group (:mod:`workbench.group`), the run's metrics
   (:mod:`workbench.metrics.live`) and checkpoints (:mod:`workbench.checkpoint.control`);
-- cells (:mod:`workbench.cells`, supervised by :mod:`workbench.execution`), rescale and recovery (:mod:`workbench.elastic`).
+- cells (:mod:`workbench.cells`, supervised by :mod:`workbench.execution`), rescale and
+  recovery (:mod:`workbench.elastic`).
 
 Its options are :class:`workbench.options.FleetOptions` (the same as ``%fleet start``'s flags).
 """

@@ -40,11 +40,12 @@ class CommClock:
         """Seconds covered by the intervals finished since the last call; None when a DDP
         model's figure was read less than ``DDP_READ_EVERY_S`` ago (steps that short get
         it every few steps: the reading would cost them more than 1 %)."""
+        if self._ddp and now - self._ddp_read_at < DDP_READ_EVERY_S:
+            self._done.clear()
+            return None
         intervals = []
         while self._done:
             intervals.append(self._done.popleft())
-        if self._ddp and now - self._ddp_read_at < DDP_READ_EVERY_S:
-            return None
         self._ddp_read_at = now
         return _union(intervals) + self._take_ddp()
 
@@ -62,7 +63,7 @@ class CommClock:
             if model is None:
                 continue
             alive.append(ref)
-            data = model.logger._get_ddp_logging_data().ints_map  # (the merged dict of strings: slower)
+            data = model.logger._get_ddp_logging_data().ints_map  # not DDP's Python method: it merges in the strings too
             end = data.get("backward_comm_time_end")
             if end is not None and end != model._workbench_comm_end:  # a backward not counted yet
                 model._workbench_comm_end = end
