@@ -17,6 +17,7 @@ import sys
 import time
 
 from . import engine, rendezvous
+from .checkpoint import api as checkpoint_api
 from .checkpoint import replica
 from .checkpoint.api import abandon as abandon_saves
 from .errors import FleetError, OptionsError
@@ -56,10 +57,21 @@ def _keep_live_state(fleet, lost: set[int]) -> int | None:
         kept = fleet.client[ids].apply_async(replica.keep).get(timeout=60)
     except Exception:  # a survivor that cannot answer: the checkpoint it is
         kept = [None]
-    if all(k and k["replicated"] for k in kept) and len({(k["step"], tuple(k["keys"])) for k in kept}) == 1:
-        return ids[0]
+    if all(k and k["replicated"] for k in kept) and len({tuple(k["keys"]) for k in kept}) == 1:
+        # a survivor stopped between its all-reduce and its optimizer step is one step behind:
+        # the one with the most completed steps holds a whole, consistent step
+        return max(zip(ids, kept, strict=True), key=lambda pair: pair[1]["step"])[0]
     _drop_kept(fleet, ids)
     return None
+
+
+def _refuse_resize(fleet, world: int, what: str, ranks: list[int] | None = None) -> None:
+    """Refuse, before anything changes, a resize that would lose the data's exact position or
+    per-rank state (asks the first of ``ranks``, rank 0 by default: ranks agree on it)."""
+    survivor = fleet.engine_ids(ranks or [0])[:1]
+    refused = fleet.client[survivor].apply_sync(checkpoint_api.refusals_at, world)[0]
+    if refused:
+        raise OptionsError(f"{what} (nothing was changed): {refused[0]}")
 
 
 def _drop_kept(fleet, engine_ids: list[int]) -> None:
@@ -156,6 +168,13 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
         if len(lost) >= fleet.world_size:
             raise OptionsError("no rank would be left: recover without --shrink")
         if lost:
+            survivors = [r for r in range(fleet.world_size) if r not in lost]
+            try:
+                _refuse_resize(fleet, fleet.world_size - len(lost), "cannot shrink", survivors)
+            except OptionsError:
+                _drop_kept(fleet, fleet.engine_ids(survivors))
+                raise
+        if lost:
             phases.run("engines", f"removing rank {','.join(map(str, lost))}", fleet.pool.remove_ranks, lost)
         dead = lost
     elif dead:
@@ -197,6 +216,7 @@ def scale(fleet, n: int) -> dict:
     old = fleet.world_size
     if n == old:
         raise OptionsError(f"the fleet already has {n} ranks")
+    _refuse_resize(fleet, n, f"cannot scale to {n} ranks")
     phases = _Phases(fleet, f"scale {old}→{n}")
     slots = fleet.pool.new_slots(n - old) if n > old else []
     launched = fleet.pool.launch_cold(slots)  # new engines start while the state is saved

@@ -312,9 +312,17 @@ def restore(tag: str = "latest") -> Restored:
     metadata = reader.read_metadata()
     saved = metadata.state_dict_metadata
     state = CheckpointState(namespace(), spec.rank, logger.step)
-    template = state.template({key.split(".", 1)[0] for key in saved})
+    saved_keys = {key.split(".", 1)[0] for key in saved}
+    template = state.template(saved_keys, same_world=manifest.world_size == spec.world_size)
     _check_shapes(template, saved, manifest.tag)
     try:
+        positions = state.position_template(saved_keys)
+        if positions:  # small: read first, so a refusal comes before anything is loaded
+            dcp.load(positions, storage_reader=safe_reader(path), planner=safe_planner(), process_group=_group(spec))
+        refused = state.refusals(positions, saved_keys, manifest.world_size, spec.world_size)
+        if refused:
+            raise CheckpointError(f"checkpoint {manifest.tag!r} cannot be restored into {spec.world_size} ranks "
+                                  f"(nothing was changed): {refused[0]}")
         dcp.load(template, storage_reader=reader, planner=safe_planner(), process_group=_group(spec))
     except CheckpointError:
         raise
@@ -324,6 +332,16 @@ def restore(tag: str = "latest") -> Restored:
     logger.step = int(template.get("workbench", {}).get("step", manifest.step))
     return Restored(tag=manifest.tag, step=logger.step, saved_world_size=manifest.world_size,
                     world_size=spec.world_size, restored=restored, path=path)
+
+
+def refusals_at(world: int) -> list[str]:
+    """Why this rank's training state cannot move to ``world`` ranks: data positions that cannot
+    be resharded, per-rank registered objects. Empty when it can."""
+    from ..rank import STATE
+
+    step = 0
+    rank = STATE.spec.rank if STATE.spec else 0
+    return CheckpointState(namespace(), rank, step, any_generation=True).live_refusals(world)
 
 
 def _check_shapes(template: dict, saved: dict, tag: str) -> None:
@@ -362,10 +380,16 @@ def _readable(key: str) -> str:
     return f"{kind} {name!r}: {rest}" if name and rest else key
 
 
-def register(name: str, obj) -> None:
-    """Include ``obj`` (with ``state_dict``/``load_state_dict``, or a dict) in every checkpoint as ``name``."""
+def register(name: str, obj, *, per_rank: bool | None = None) -> None:
+    """Include ``obj`` in every checkpoint as ``name``: anything with ``state_dict``/``load_state_dict``,
+    a dict or a list (restored in place). ``per_rank=True``: every rank keeps its own value (a
+    torchdata ``StatefulDataLoader`` is per rank by default); such state restores only at the
+    world size it was saved at, and a restore or scale to another size is refused."""
     if not isinstance(name, str) or not name.isidentifier():
         raise CheckpointError(f"register() needs a name that is a Python identifier (got {name!r})")
-    if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) and not isinstance(obj, dict):
-        raise CheckpointError(f"register({name!r}, ...) takes an object with state_dict/load_state_dict, or a dict")
-    REGISTERED[name] = obj
+    if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) and not isinstance(obj, (dict, list)):
+        raise CheckpointError(f"register({name!r}, ...) takes an object with state_dict/load_state_dict, a dict "
+                              "or a list")
+    if per_rank is None:
+        per_rank = type(obj).__name__ == "StatefulDataLoader"
+    REGISTERED[name] = (obj, bool(per_rank))

@@ -15,7 +15,7 @@ import sys
 
 from ..errors import CheckpointError
 
-REGISTERED: dict[str, object] = {}
+REGISTERED: dict[str, tuple[object, bool]] = {}  # name -> (object, per rank)
 
 
 def prepared_objects(namespace: dict, any_generation: bool = False) -> dict[str, dict[str, object]]:
@@ -86,6 +86,38 @@ def _optimizer_key(name: str, model) -> str:
     return f"optimizer/{name}" if stage is None else f"optimizer/{name}@stage{stage}"
 
 
+PER_RANK_MARK = "@rank"
+
+
+def _world_size() -> int:
+    from ..rank import STATE
+
+    return STATE.spec.world_size if STATE.spec else 1
+
+
+def per_rank_key(key: str, rank: int) -> str:
+    """``data/loader`` -> ``data/loader@rank3``: an entry every rank saves with its own value
+    (DCP would keep one rank's value for a name that every rank writes)."""
+    return f"{key}{PER_RANK_MARK}{rank}"
+
+
+def is_per_rank(key: str) -> bool:
+    """Whether a checkpoint entry holds one rank's own value (RNG, a stream's position, ...)."""
+    return key.startswith("rng/") or PER_RANK_MARK in key
+
+
+def _rank0(key: str) -> str:
+    return key.rsplit(PER_RANK_MARK, 1)[0] + f"{PER_RANK_MARK}0"
+
+
+def _user_value(obj):
+    """What a checkpoint keeps of a registered object: a copy of the container, so that loading
+    into it never clears the object it restores."""
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    return dict(obj) if isinstance(obj, dict) else list(obj)
+
+
 class CheckpointState:
     """This rank's checkpoint content, built from its namespace."""
 
@@ -103,62 +135,111 @@ class CheckpointState:
                 )
             self.pairs[name] = owner
 
+    def positions(self) -> dict[str, tuple[str, object]]:
+        """Each prepared loader's checkpoint key and position (a stream's key is this rank's own)."""
+        found = {}
+        for name, loader in self.objects["dataloader"].items():
+            position = getattr(loader, "_workbench_position", None)
+            if position is not None:
+                key = f"data/{name}"
+                found[name] = (per_rank_key(key, self.rank) if position.kind == "stream" else key, position)
+        return found
+
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+        from ..metrics.logger import LOGGER
+
         state: dict = {"workbench": {"step": self.step}, f"rng/{self.rank}": rng_state()}
-        for name, model in self.objects["model"].items():
-            state[f"model/{name}"] = get_model_state_dict(model)
-        for name, optimizer in self.objects["optimizer"].items():
-            model = self.objects["model"][self.pairs[name]]
-            state[_optimizer_key(name, model)] = get_optimizer_state_dict(model, optimizer.optimizer)
+        with LOGGER.not_counting():  # DCP runs a dummy optimizer step to create empty optimizer state
+            for name, model in self.objects["model"].items():
+                state[f"model/{name}"] = get_model_state_dict(model)
+            for name, optimizer in self.objects["optimizer"].items():
+                model = self.objects["model"][self.pairs[name]]
+                state[_optimizer_key(name, model)] = get_optimizer_state_dict(model, optimizer.optimizer)
         for name, scheduler in self.objects["scheduler"].items():
             state[f"scheduler/{name}"] = scheduler.state_dict()
-        for name, loader in self.objects["dataloader"].items():
-            state[f"dataloader/{name}"] = {"epoch": int(getattr(loader, "iteration", 0)),
-                                           "batches": int(getattr(loader, "_workbench_batches", 0))}
-        for name, obj in REGISTERED.items():
-            state[f"user/{name}"] = obj.state_dict() if hasattr(obj, "state_dict") else obj
+        for key, position in self.positions().values():
+            state[key] = position.state()
+        for name, (obj, per_rank) in REGISTERED.items():
+            state[per_rank_key(f"user/{name}", self.rank) if per_rank else f"user/{name}"] = _user_value(obj)
         return state
 
-    def template(self, saved_keys: set[str]) -> dict:
-        """What to load: this rank's state, limited to the top-level entries the checkpoint has."""
-        state = self.state_dict()
-        return {key: value for key, value in state.items() if key in saved_keys}
+    def template(self, saved_keys: set[str], same_world: bool = True) -> dict:
+        """What to load: this rank's state, limited to the top-level entries the checkpoint has.
+        At another world size a stream's position is rank 0's (they agree where it can move)."""
+        template = {}
+        for key, value in self.state_dict().items():
+            if not same_world and key.startswith("data/") and PER_RANK_MARK in key:
+                key = _rank0(key)
+            if key in saved_keys:
+                template[key] = value
+        return template
+
+    def position_template(self, saved_keys: set[str]) -> dict:
+        """The data positions to check before anything is loaded: global ones, and rank 0's of streams."""
+        keys = {key if PER_RANK_MARK not in key else _rank0(key) for key, _ in self.positions().values()}
+        return {key: "" for key in keys if key in saved_keys}
+
+    def refusals(self, loaded_positions: dict, saved_keys: set[str], saved_world: int, world: int) -> list[str]:
+        """Why this checkpoint cannot go on at ``world`` ranks (every rank finds the same)."""
+        from ..data_position import refusal
+
+        found = [refusal(key.split("/", 1)[1].split(PER_RANK_MARK)[0], text, world)
+                 for key, text in sorted(loaded_positions.items())]
+        if saved_world != world:
+            kept = sorted({k.split("/", 1)[1].split(PER_RANK_MARK)[0] for k in saved_keys
+                           if k.startswith("user/") and PER_RANK_MARK in k})
+            found += [f"registered object {name!r} is per rank (saved by {saved_world} ranks): it cannot be "
+                      f"restored into {world} ranks" for name in kept]
+        return [f for f in found if f]
+
+    def live_refusals(self, world: int) -> list[str]:
+        """Why this rank's state cannot go on at ``world`` ranks (before a scale or a shrinking
+        recover changes anything)."""
+        positions = {key: position.state() for key, position in self.positions().values()}
+        per_rank = {f"user/{name}{PER_RANK_MARK}{self.rank}" for name, (_, mine) in REGISTERED.items() if mine}
+        saved_world = _world_size()
+        return self.refusals(positions, per_rank, saved_world, world)
 
     def apply(self, loaded: dict) -> list[str]:
         """Put loaded values back into the live objects; return what was restored."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        from ..metrics.logger import LOGGER
 
         restored = []
         for name, model in self.objects["model"].items():
             if f"model/{name}" in loaded:
                 set_model_state_dict(model, loaded[f"model/{name}"])
                 restored.append(name)
-        for name, optimizer in self.objects["optimizer"].items():
-            model = self.objects["model"][self.pairs[name]]
-            if _optimizer_key(name, model) in loaded:
-                set_optimizer_state_dict(model, optimizer.optimizer, loaded[_optimizer_key(name, model)])
-                restored.append(name)
+        with LOGGER.not_counting():
+            for name, optimizer in self.objects["optimizer"].items():
+                model = self.objects["model"][self.pairs[name]]
+                if _optimizer_key(name, model) in loaded:
+                    set_optimizer_state_dict(model, optimizer.optimizer, loaded[_optimizer_key(name, model)])
+                    restored.append(name)
         for name, scheduler in self.objects["scheduler"].items():
             if f"scheduler/{name}" in loaded:
                 scheduler.load_state_dict(loaded[f"scheduler/{name}"])
                 restored.append(name)
-        for name, loader in self.objects["dataloader"].items():
-            position = loaded.get(f"dataloader/{name}")
-            if position is not None:
-                loader.iteration = position["epoch"]
-                loader.skip_batches = position["batches"]  # for the next pass only
+        for name, (key, position) in self.positions().items():
+            text = loaded.get(key, loaded.get(_rank0(key)) if PER_RANK_MARK in key else None)
+            if text is not None:
+                position.load(text)
                 restored.append(name)
-        for name, obj in REGISTERED.items():
-            value = loaded.get(f"user/{name}")
-            if value is not None:
-                if hasattr(obj, "load_state_dict"):
-                    obj.load_state_dict(value)
-                elif isinstance(obj, dict):
-                    obj.clear()
-                    obj.update(value)
-                restored.append(name)
+        for name, (obj, per_rank) in REGISTERED.items():
+            value = loaded.get(per_rank_key(f"user/{name}", self.rank) if per_rank else f"user/{name}")
+            if value is None:
+                continue
+            if hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(value)
+            elif isinstance(obj, dict):
+                obj.clear()
+                obj.update(value)
+            else:
+                obj[:] = value
+            restored.append(name)
         if f"rng/{self.rank}" in loaded:
             set_rng_state(loaded[f"rng/{self.rank}"])
             restored.append("rng")

@@ -16,7 +16,7 @@ user code:
   same way (FSDP2's documented custom-comm extension point);
 - the model's forward counts samples (the first dimension of its first tensor);
 - the optimizer's step marks the end of a training step;
-- a dataloader counts the batches of the current pass (its position in checkpoints).
+- a dataloader keeps its exact position in its data (:mod:`workbench.data_position`).
 
 Communication time is the union of those intervals (buckets overlap), so it is
 the wall time during which at least one collective was in flight. DDP's own
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 
+from ..data_position import optimizer_prepared, track
 from .comm import CommClock
 
 
@@ -96,35 +97,6 @@ def _before_forward(logger, ddp: bool):
     return hook
 
 
-def _track_position(loader) -> None:
-    """Count the batches a prepared dataloader has yielded in the current pass (its
-    position in checkpoints); ``loader.skip_batches`` set by a restore lasts one pass.
-
-    accelerate's DataLoaderShard calls ``_update_state_dict`` once per batch, and
-    ``begin``/``end`` around each pass; instance attributes wrap those three.
-    """
-    if not all(hasattr(loader, name) for name in ("_update_state_dict", "begin", "end", "skip_batches")):
-        return
-    update, begin, end = loader._update_state_dict, loader.begin, loader.end
-    base_skip = loader.skip_batches
-
-    def counting_update():
-        loader._workbench_batches += 1
-        update()
-
-    def counting_begin():
-        loader._workbench_batches = 0
-        begin()
-
-    def counting_end():
-        loader._workbench_batches = 0
-        loader.skip_batches = base_skip
-        end()
-
-    loader._workbench_batches = 0
-    loader._update_state_dict, loader.begin, loader.end = counting_update, counting_begin, counting_end
-
-
 def instrument(obj, logger, options=None) -> None:
     """Add workbench's measurements to one object returned by ``accelerator.prepare``."""
     if getattr(obj, "_workbench_instrumented", False):
@@ -153,8 +125,9 @@ def instrument(obj, logger, options=None) -> None:
     elif hasattr(obj, "optimizer") and isinstance(obj.optimizer, torch.optim.Optimizer):
         # accelerate's optimizer wrapper skips the inner step while accumulating
         obj.optimizer.register_step_post_hook(lambda *_: logger.optimizer_stepped())
+        optimizer_prepared()
     elif isinstance(obj, torch.utils.data.DataLoader):
-        _track_position(obj)
+        track(obj)
     else:
         return
     try:

@@ -41,7 +41,11 @@ class MetricsLogger:
     """One per engine process: the step counter, the buffer and the sender."""
 
     def __init__(self) -> None:
-        self.step = 0  # the next step: steps completed so far (``workbench.step``)
+        self.step = 0  # steps completed so far (``workbench.step``): optimizer steps, else log records
+        self.optimizer_driven = False  # a prepared optimizer has stepped: only its steps count
+        self._not_counting = 0  # inside checkpoint code whose optimizer steps are not training steps
+        self._stepped_step = 0  # the step index of the measurements in ``_stepped``
+        self._forward_since_step = False
         self.seq = 0  # records created by this process
         self.sent_seq = 0  # records handed to zmq
         self.dropped = 0
@@ -79,24 +83,48 @@ class MetricsLogger:
         if self._stepped is not None:  # logged after optimizer.step(): that step's measurements
             system, self._stepped = self._stepped, None
             self._add_rates(system, scalars)
+            if step is None and self.optimizer_driven and not self._forward_since_step:
+                step = self._stepped_step  # the step that just completed
         else:
             system = self._measure(scalars)
         self._record(step, scalars, system)
 
     def optimizer_stepped(self) -> None:
-        """End of a training step: its measurements join the next ``log`` call, if one
-        comes before the next step, or become a record of their own."""
+        """End of a training step: ``workbench.step`` counts it, the dataloaders' positions
+        advance past the batches it used, and its measurements join the next ``log`` call, if
+        one comes before the next step, or become a record of their own."""
+        if self._not_counting:
+            return
         self._emit_stepped()
         self._stepped = self._measure({})
+        if not self._suspended:
+            from ..data_position import step_completed
+
+            self.optimizer_driven = True
+            self._stepped_step = self.step
+            self.step += 1
+            step_completed()
+        self._forward_since_step = False
+
+    @contextlib.contextmanager
+    def not_counting(self):
+        """Optimizer steps inside are not training steps (DCP creates empty optimizer state
+        with a step of zero gradients)."""
+        self._not_counting += 1
+        try:
+            yield
+        finally:
+            self._not_counting -= 1
 
     def samples_seen(self, n: int) -> None:
         self._samples += n
         self.activity += 1
+        self._forward_since_step = True
 
     def _emit_stepped(self) -> None:
         if self._stepped is not None:
             system, self._stepped = self._stepped, None
-            self._record(None, {}, system)
+            self._record(self._stepped_step if self.optimizer_driven else None, {}, system)
 
     def _measure(self, scalars: dict) -> dict:
         now = time.perf_counter()
@@ -140,7 +168,8 @@ class MetricsLogger:
             return
         if step is None:
             step = self.step
-        self.step = int(step) + 1
+        if not self.optimizer_driven:  # no optimizer: each record is a step
+            self.step = int(step) + 1
         self.seq += 1
         self.activity += 1
         record = (time.time(), self.seq, int(step), scalars, system)
@@ -344,8 +373,9 @@ LOGGER = MetricsLogger()
 def log(step: int | None = None, **scalars) -> None:
     """Record scalars for this rank's current step; never blocks training.
 
-    ``workbench.log(loss=loss.item(), lr=lr)``. Without ``step=``, steps count
-    up by one per call (log once per training step). Values are numbers or
+    ``workbench.log(loss=loss.item(), lr=lr)``. Without ``step=``, the record belongs to the
+    optimizer step just completed (logged after ``optimizer.step()``) or in flight; with no
+    prepared optimizer, steps count up by one per call (log once per training step). Values are numbers or
     one-element tensors (read in the background). ``samples=`` or ``tokens=``
     (counts in this step) turn into throughput. Step time, communication time
     and memory are added by workbench.
