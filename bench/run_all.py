@@ -3,6 +3,7 @@
 import bench_checkpoint
 import bench_comm_hooks
 import bench_elastic
+import bench_exactly_once
 import bench_launch
 import bench_llm
 import bench_metrics
@@ -11,5 +12,5 @@ import bench_step_time
 
 if __name__ == "__main__":
     for bench in (bench_roundtrip, bench_launch, bench_step_time, bench_metrics, bench_checkpoint, bench_elastic,
-                  bench_comm_hooks, bench_llm):
+                  bench_exactly_once, bench_comm_hooks, bench_llm):
         bench.main()

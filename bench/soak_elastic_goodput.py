@@ -1,13 +1,14 @@
 """Soak: goodput under one SIGKILL every 60 s (target ≥ 0.95; torchft reports 0.81 at that rate).
 
-A 2-rank fleet (DDP by default: recovery takes a survivor's live state; ``fsdp``:
+A 3-rank fleet (``RANKS``; DDP by default: recovery takes a survivor's live state; ``fsdp``:
 recovery loads the last checkpoint) with ``--auto-recover`` and one warm spare
 trains with an async checkpoint every ``EVERY`` steps. First it trains fault-free for
 ``BASELINE_S`` seconds (steps/s); then for ``DURATION_S`` seconds a thread
 SIGKILLs a random rank's engine every ``KILL_EVERY_S`` seconds. Goodput is the
 useful steps/s of the faulty phase (steps kept at its end: those rolled back to
 a checkpoint do not count) ÷ the fault-free steps/s.
-``python bench/soak_elastic_goodput.py [DURATION_S] [ddp|fsdp]``.
+``python bench/soak_elastic_goodput.py [DURATION_S] [ddp|fsdp] [RANKS]``. With 3 ranks a kill
+leaves two survivors, which must agree on the live state (two ranks hide that).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ BASELINE_S = 60.0
 DURATION_S = 300.0
 KILL_EVERY_S = 60.0
 EVERY = 20  # steps between async checkpoints
+RANKS = 3
 SETUP = """
 import time, torch
 torch.manual_seed(0)
@@ -57,9 +59,9 @@ def train_until(fleet, seconds: float, strategy: str) -> tuple[int, float]:
     return last - first, time.time() - started
 
 
-def main(duration: float = DURATION_S, strategy: str = "ddp") -> dict:
+def main(duration: float = DURATION_S, strategy: str = "ddp", ranks: int = RANKS) -> dict:
     kills: list[float] = []
-    with Fleet(n=2, progress=False, wandb=False, auto_recover=True, max_restarts=1000, spares=1) as fleet:
+    with Fleet(n=ranks, progress=False, wandb=False, auto_recover=True, max_restarts=1000, spares=1) as fleet:
         fleet.execute(SETUP, CellOptions(strategy=strategy), show_output=False, setup=True)
         train_until(fleet, 5.0, strategy)  # warm-up
         steps, wall = train_until(fleet, BASELINE_S, strategy)
@@ -84,6 +86,7 @@ def main(duration: float = DURATION_S, strategy: str = "ddp") -> dict:
         restarts = fleet.restarts - restarts
     return report(f"soak_elastic_goodput_{strategy}", {
         "strategy": strategy,
+        "ranks": ranks,
         "fault_free_steps_per_s": fault_free,
         "useful_steps_per_s_with_kills": useful,
         "goodput": useful / fault_free,
@@ -96,4 +99,5 @@ def main(duration: float = DURATION_S, strategy: str = "ddp") -> dict:
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else DURATION_S, sys.argv[2] if len(sys.argv) > 2 else "ddp")
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else DURATION_S, sys.argv[2] if len(sys.argv) > 2 else "ddp",
+         int(sys.argv[3]) if len(sys.argv) > 3 else RANKS)

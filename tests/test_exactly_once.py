@@ -216,6 +216,20 @@ def test_ddp_recovery_from_a_live_replica_is_exact(fleet, tmp_path, world, victi
     assert_exactly_once(path, [world] * steps)
 
 
+def test_recover_shrink_deals_the_rest_of_the_epoch_over_the_survivors(fleet, tmp_path):
+    resize(fleet, 3)
+    path = str(tmp_path / "shrink.jsonl")
+    fresh_start(fleet)
+    pid = fleet.member(2).pid
+    with pytest.raises(Exception):
+        train(fleet, 30, 0, path, kill_at=5, victims=(2,))
+    assert not wait_until_gone([pid])
+    report = fleet.recover(shrink=True)
+    assert fleet.world_size == 2 and report["source"] is not None and report["step"] == 5
+    train(fleet, 20, 1, path)
+    assert_exactly_once(path, [3] * 5 + [2] * 15)
+
+
 def test_auto_recover_reruns_the_cell_from_the_live_state(fleet, tmp_path):
     resize(fleet, 3)
     path = str(tmp_path / "auto.jsonl")

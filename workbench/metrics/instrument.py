@@ -125,6 +125,7 @@ def instrument(obj, logger, options=None) -> None:
     elif hasattr(obj, "optimizer") and isinstance(obj.optimizer, torch.optim.Optimizer):
         # accelerate's optimizer wrapper skips the inner step while accumulating
         obj.optimizer.register_step_post_hook(lambda *_: logger.optimizer_stepped())
+        logger.optimizer_prepared()
         optimizer_prepared()
     elif isinstance(obj, torch.utils.data.DataLoader):
         track(obj)

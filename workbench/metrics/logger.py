@@ -42,10 +42,12 @@ class MetricsLogger:
 
     def __init__(self) -> None:
         self.step = 0  # steps completed so far (``workbench.step``): optimizer steps, else log records
-        self.optimizer_driven = False  # a prepared optimizer has stepped: only its steps count
+        self.optimizer_driven = False  # an optimizer was prepared: only its steps count
         self._not_counting = 0  # inside checkpoint code whose optimizer steps are not training steps
         self._stepped_step = 0  # the step index of the measurements in ``_stepped``
         self._forward_since_step = False
+        self._trained_since_record = False  # a forward or an optimizer step since the last record
+        self._last_label = -1  # the step of the last record
         self.seq = 0  # records created by this process
         self.sent_seq = 0  # records handed to zmq
         self.dropped = 0
@@ -100,11 +102,15 @@ class MetricsLogger:
         if not self._suspended:
             from ..data_position import step_completed
 
-            self.optimizer_driven = True
             self._stepped_step = self.step
             self.step += 1
             step_completed()
         self._forward_since_step = False
+        self._trained_since_record = True
+
+    def optimizer_prepared(self) -> None:
+        """``accelerator.prepare`` returned an optimizer: from now on its steps are the steps."""
+        self.optimizer_driven = True
 
     @contextlib.contextmanager
     def not_counting(self):
@@ -119,7 +125,7 @@ class MetricsLogger:
     def samples_seen(self, n: int) -> None:
         self._samples += n
         self.activity += 1
-        self._forward_since_step = True
+        self._forward_since_step = self._trained_since_record = True
 
     def _emit_stepped(self) -> None:
         if self._stepped is not None:
@@ -167,9 +173,12 @@ class MetricsLogger:
             self.activity += 1  # still progress for the hang watch
             return
         if step is None:
-            step = self.step
+            # the step in flight; with no training since the last record (a loop that only logs),
+            # the step after the last record's, so such records stay apart and in order
+            step = self.step if self._trained_since_record or not self.optimizer_driven else self._last_label + 1
         if not self.optimizer_driven:  # no optimizer: each record is a step
             self.step = int(step) + 1
+        self._last_label, self._trained_since_record = int(step), False
         self.seq += 1
         self.activity += 1
         record = (time.time(), self.seq, int(step), scalars, system)

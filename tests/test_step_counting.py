@@ -1,0 +1,76 @@
+"""``workbench.step`` and the steps of records, by hand (no fleet): optimizer steps count, once each,
+however often and wherever ``workbench.log`` is called; checkpoint code's empty steps never count."""
+
+from __future__ import annotations
+
+from workbench.metrics.logger import MetricsLogger
+
+
+def _trainer() -> MetricsLogger:
+    """A rank's logger once ``accelerator.prepare`` returned an optimizer."""
+    logger = MetricsLogger()
+    logger.optimizer_prepared()
+    return logger
+
+
+def _labels(logger: MetricsLogger) -> list[int]:
+    return [record[2] for record in logger._buffer]
+
+
+def test_log_after_the_step_labels_the_completed_step():
+    logger = _trainer()
+    for _ in range(3):
+        logger.samples_seen(8)  # forward
+        logger.optimizer_stepped()
+        logger.log(None, {"loss": 1.0})
+    assert logger.step == 3 and _labels(logger) == [0, 1, 2]
+
+
+def test_log_before_the_step_labels_the_step_in_flight():
+    logger = _trainer()
+    for _ in range(3):
+        logger.samples_seen(8)
+        logger.log(None, {"loss": 1.0})
+        logger.optimizer_stepped()
+    logger.cell_finished()
+    assert logger.step == 3 and [r[2] for r in logger._buffer if r[3]] == [0, 1, 2]
+
+
+def test_no_log_counts_each_step_at_once_and_dcp_steps_do_not_count():
+    logger = _trainer()
+    for n in range(1, 6):
+        logger.samples_seen(8)
+        logger.optimizer_stepped()
+        assert logger.step == n  # not one behind
+    with logger.not_counting():
+        logger.optimizer_stepped()  # DCP creating empty optimizer state
+    assert logger.step == 5
+
+
+def test_two_logs_in_one_step_still_count_one_step():
+    logger = _trainer()
+    for _ in range(4):
+        logger.samples_seen(8)
+        logger.optimizer_stepped()
+        logger.log(None, {"loss": 1.0})
+        logger.log(None, {"grad_norm": 2.0})
+    assert logger.step == 4
+
+
+def test_without_an_optimizer_each_record_is_a_step_and_explicit_steps_go_on_from_there():
+    logger = MetricsLogger()
+    for _ in range(3):
+        logger.log(None, {"x": 1})
+    logger.log(1000, {"x": 1})
+    logger.log(None, {"x": 1})
+    assert _labels(logger) == [0, 1, 2, 1000, 1001] and logger.step == 1002
+
+
+def test_a_loop_that_only_logs_after_training_keeps_its_records_apart():
+    logger = _trainer()
+    logger.samples_seen(8)
+    logger.optimizer_stepped()
+    logger.log(None, {"loss": 1.0})
+    for _ in range(3):
+        logger.log(None, {"eval": 1.0})
+    assert _labels(logger) == [0, 1, 2, 3] and logger.step == 1
