@@ -89,6 +89,11 @@ def test_bad_scale_requests(elastic):
         elastic.scale(2)
     with pytest.raises(OptionsError, match="whole number of ranks"):
         elastic.scale(0)
+    with pytest.raises(OptionsError, match="at most 4096 ranks"):  # refused before anything is built
+        elastic.scale(99999999999999999999)
+    with pytest.raises(OptionsError, match="CPU engines need about"):  # this machine's memory, before launching
+        elastic.scale(400)
+    assert elastic.world_size == 2
     with pytest.raises(OptionsError, match="--setup cell runs on every rank"):
         elastic.execute("x = 1", fleet_options("ddp"), ranks=[0], setup=True)
 

@@ -253,13 +253,35 @@ def refusal(name: str, text: str, world: int) -> str | None:
             "(or from the start of an epoch)")
 
 
+class _DiesWithItsRank:
+    """A DataLoader ``worker_init_fn`` that first ties the worker's life to its rank's: a worker
+    outliving a killed rank would keep the rank's process-group sockets open, and the
+    survivors would wait in their collective instead of being released."""
+
+    def __init__(self, inner, rank_pid: int) -> None:
+        self.inner, self.rank_pid = inner, rank_pid
+
+    def __call__(self, worker_id: int) -> None:
+        from .rank import die_with_parent
+
+        die_with_parent(self.rank_pid)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
 def track(loader) -> None:
-    """Give a prepared loader an exact position (``accelerator.prepare`` calls it)."""
+    """Give a prepared loader an exact position, and workers that die with their rank
+    (``accelerator.prepare`` calls it)."""
+    import os
+
     from . import rank as rank_module
 
     _install()
     world = rank_module.STATE.spec.world_size if rank_module.STATE.spec else 1
     loader._workbench_position = DataPosition(loader, world)
+    base = getattr(loader, "base_dataloader", loader)
+    if getattr(base, "num_workers", 0) and not isinstance(base.worker_init_fn, _DiesWithItsRank):
+        base.worker_init_fn = _DiesWithItsRank(base.worker_init_fn, os.getpid())
 
 
 def optimizer_prepared() -> None:

@@ -20,8 +20,11 @@ from . import engine, rendezvous
 from .checkpoint import api as checkpoint_api
 from .checkpoint import replica
 from .checkpoint.api import abandon as abandon_saves
+from .devices import check_machine_fits
 from .errors import FleetError, OptionsError
 from .output import ProgressLine
+
+MAX_RANKS = 4096  # past this a typo, not a fleet: nothing is built for it
 
 
 class _Phases:
@@ -159,9 +162,19 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     survivors' state (DDP: a live replica) or the latest complete checkpoint (resharded)."""
     fleet.targets(None)
     phases = _Phases(fleet, "recover")
-    dead = sorted(set(fleet.pool.dead_ranks(settle_s=0.5)) | set(replace))
+    died = fleet.pool.dead_ranks(settle_s=0.5)
+    dead = sorted(set(died) | set(replace))
     replaced_before = set(fleet.fresh_ranks)  # replaced already, after the cell that saw them die
     replica_engine = _keep_live_state(fleet, set(dead) | replaced_before)
+    tag = "latest"
+    if replica_engine is None and not died and not replaced_before:
+        # every rank is alive (a healthy fleet, or stragglers to replace) but the state is sharded:
+        # saved first, as a scale does, so that no rank's live state is lost
+        try:
+            tag = phases.run("checkpoint", "checkpoint", fleet.checkpoints.save, tag=f"recover-{fleet.generation}")
+        except Exception as exc:  # e.g. the process group is broken: only a saved state is left
+            print(f"workbench: the live sharded state could not be saved first ({exc}); recovering from the latest "
+                  "checkpoint", file=sys.stderr, flush=True)
     if shrink:
         # the lost ranks: dead now, or already replaced by fresh engines after the failed cell
         lost = sorted(set(dead) | set(fleet.fresh_ranks))
@@ -190,7 +203,7 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
         dead = sorted(set(dead) | set(late))
         phases.run("teardown", "process group teardown", _teardown, fleet)
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)
-    report = _replay_and_restore(fleet, phases, "latest", replica_engine)
+    report = _replay_and_restore(fleet, phases, tag, replica_engine)
     if report.get("source") is not None:
         tail = (f"restored {', '.join(report['restored'])} from the live state of rank {report['source']} "
                 f"at step {report['step']} (no checkpoint needed)")
@@ -216,6 +229,10 @@ def scale(fleet, n: int) -> dict:
     old = fleet.world_size
     if n == old:
         raise OptionsError(f"the fleet already has {n} ranks")
+    if n > MAX_RANKS:
+        raise OptionsError(f"scale takes at most {MAX_RANKS} ranks (got {n})")
+    if n > old and fleet.pool.device_type == "cpu" and fleet.options.launcher == "local" and not fleet.options.attached:
+        check_machine_fits(n - old)  # the new engines' memory, before any is started
     _refuse_resize(fleet, n, f"cannot scale to {n} ranks")
     phases = _Phases(fleet, f"scale {old}→{n}")
     slots = fleet.pool.new_slots(n - old) if n > old else []

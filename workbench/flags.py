@@ -36,7 +36,10 @@ class MagicParser(argparse.ArgumentParser):
     def parse_line(self, line: str, defaults: dict | None = None) -> argparse.Namespace | None:
         """Parse a magic's line (``defaults``: values of the flags not given, instead of the
         parser's); with ``-h``/``--help`` print the help instead and return None."""
-        tokens = shlex.split(line)
+        try:
+            tokens = shlex.split(line)
+        except ValueError as exc:  # an unbalanced quote, a trailing backslash
+            raise UsageError(f"{self.prog}: cannot read {line.strip()!r}: {exc} (quote a value as 'a b' or \"a b\")")
         if "-h" in tokens or "--help" in tokens:
             print(self.help_text(tokens[0] if tokens else None))
             return None

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from . import cells, elastic, engine, group, rendezvous
+from .checkpoint import api as checkpoint_api
 from .checkpoint.control import Checkpoints
 from .devices import EngineSlot, check_machine_fits, parse_gpu_list, plan_engines
 from .errors import FleetError, OptionsError
@@ -33,6 +34,8 @@ from .pool import EnginePool, Member
 from .processes import Processes
 from .ranklogs import RankLogs
 from .runs import new_run_dir
+
+SAVE_WAIT_S = 120.0  # how long stop() waits for a background save to commit
 
 if TYPE_CHECKING:
     from .execution import CellResult
@@ -167,6 +170,8 @@ class Fleet:
         ipcluster keeps its engines: they only leave the process group)."""
         client = self.pool.client
         pids = [m.pid for m in self.pool.members + self.pool.spares]
+        if client is not None and self.pool.members:
+            self._finish_saves(client)
         if self.attached and client is not None:
             try:
                 client[self.engine_ids()].apply_sync(rendezvous.leave)
@@ -180,6 +185,28 @@ class Fleet:
         if self.metrics is not None:
             self.metrics.close()  # the records stay readable in fleet.metrics.store
         self.processes.stop(client, pids)
+
+    def _finish_saves(self, client, timeout_s: float = SAVE_WAIT_S) -> None:
+        """Background saves still writing commit before the engines stop (bounded); one that
+        cannot is named as lost."""
+        try:
+            pending = client[self.engine_ids()].apply_async(checkpoint_api.has_pending).get(timeout=10)
+        except Exception:  # an engine that cannot answer has no save to wait for
+            return
+        tags = sorted({tag for tag in pending if tag})
+        if not tags:
+            return
+        print(f"workbench: waiting for the background save of checkpoint {', '.join(map(repr, tags))} before stopping…",
+              file=sys.stderr, flush=True)
+        try:
+            results = client[self.engine_ids()].apply_async(checkpoint_api.finish_pending, timeout_s).get(
+                timeout=timeout_s + 10)
+        except Exception as exc:
+            results = [{"tag": tags[0], "error": f"a rank could not finish it ({type(exc).__name__})"}]
+        for result in results:
+            if result.get("error"):
+                print(f"workbench: checkpoint {result['tag']!r} is lost: {result['error']}", file=sys.stderr, flush=True)
+                break
 
     def __enter__(self) -> "Fleet":
         return self.start() if not self.running else self

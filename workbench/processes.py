@@ -18,6 +18,7 @@ import time
 import psutil
 
 from . import template
+from .errors import OptionsError
 from .launchers import LauncherSpec
 from .output import ProgressLine, last_line
 from .reaper import kill_all, write_pids
@@ -55,7 +56,7 @@ class Processes:
         return self._template.pid if self._template is not None else None
 
     def make_runtime_dir(self) -> str:
-        self.runtime_dir = tempfile.mkdtemp(prefix="workbench-")  # mode 0700
+        self.runtime_dir = tempfile.mkdtemp(prefix="workbench-", dir=_socket_friendly_tmp())  # mode 0700
         return self.runtime_dir
 
     def start_controller(self, progress: ProgressLine, started: float) -> None:
@@ -83,6 +84,7 @@ class Processes:
             self._template = subprocess.Popen(
                 [sys.executable, "-m", "workbench.template", self.runtime_dir],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=True,  # a kernel interrupt (SIGINT to the kernel's group) must not reach it
             )
         self.record_pids([])
         if self._template is not None:
@@ -272,3 +274,21 @@ def one_line(exc: BaseException) -> str:
     text = getattr(exc, "evalue", None) or str(exc)
     name = getattr(exc, "ename", None) or type(exc).__name__
     return f"{name}: {last_line(text, limit=None)}"
+
+
+UNIX_SOCKET_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less its terminating NUL
+LONGEST_SOCKET_NAME = 40  # "/workbench-xxxxxxxx/" + the longest socket file name inside, with room
+
+
+def _socket_friendly_tmp() -> str:
+    """The temporary folder for the runtime folder, whose Unix sockets need short paths: the usual
+    one (TMPDIR), else /tmp when TMPDIR is too long (per-job scratch folders on clusters often are)."""
+    usual = tempfile.gettempdir()
+    if len(usual.encode()) + LONGEST_SOCKET_NAME <= UNIX_SOCKET_PATH_MAX:
+        return usual
+    for short in ("/tmp", "/dev/shm"):
+        if os.path.isdir(short) and os.access(short, os.W_OK | os.X_OK):
+            return short
+    raise OptionsError(f"the temporary folder {usual} is too long for the fleet's Unix sockets "
+                       f"({UNIX_SOCKET_PATH_MAX} bytes at most) and /tmp cannot be written: set TMPDIR to a shorter folder")
+

@@ -85,3 +85,22 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child of this rank (its checkpoint writer, a DataLoader worker): be killed when the
+    rank dies, so that nothing it inherited (the process group's sockets) outlives it."""
+    import ctypes
+    import os
+    import signal
+
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the rank died before the line above
+        os._exit(0)

@@ -117,6 +117,25 @@ def abandon(timeout_s: float = 10.0) -> list[str]:
     return take_errors()
 
 
+def has_pending() -> str | None:
+    """The tag of this rank's background save still in flight, if any."""
+    _reap()
+    return SAVES.pending_tag if SAVES.pending is not None else None
+
+
+def finish_pending(timeout_s: float = 120.0) -> dict:
+    """Before the fleet stops: wait (bounded) for this rank's background save to commit. Returns
+    ``{"tag": None}`` with none, else its tag and ``error`` (None once it was committed)."""
+    future, tag = SAVES.pending, SAVES.pending_tag
+    if future is None:
+        return {"tag": None}
+    concurrent.futures.wait([future], timeout=timeout_s)
+    if not future.done():
+        return {"tag": tag, "error": f"still writing after {timeout_s:.0f} s"}
+    errors = take_errors()
+    return {"tag": tag, "error": errors[0] if errors else None}
+
+
 def _reap() -> None:
     future = SAVES.pending
     if future is not None and future.done():

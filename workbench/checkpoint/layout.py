@@ -117,6 +117,8 @@ def read_manifest(path: str) -> Manifest:
         with open(manifest_path) as f:
             data = json.load(f)
         manifest = Manifest(**data)
+    except RecursionError:
+        raise CheckpointError(f"checkpoint {name!r} is corrupt: its {MANIFEST} is nested too deeply to read") from None
     except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {name!r} is corrupt: its {MANIFEST} cannot be read ({exc})") from None
     problem = _manifest_problem(manifest)
@@ -135,6 +137,9 @@ def read_manifest(path: str) -> Manifest:
     return manifest
 
 
+MAX_CREATED = 32503680000.0  # 3000-01-01: a later (or NaN, or infinite) created time is not a real one
+
+
 def _manifest_problem(m: Manifest) -> str | None:
     """What is wrong with a manifest's fields (wrong types, no files, files outside its folder)."""
     def whole(v):
@@ -145,7 +150,8 @@ def _manifest_problem(m: Manifest) -> str | None:
         (whole(m.step) and m.step >= 0, "has a step that is not a whole number >= 0"),
         (whole(m.world_size) and m.world_size >= 1, "has a world size that is not a whole number >= 1"),
         (isinstance(m.strategy, str), "has a strategy that is not text"),
-        (isinstance(m.created, (int, float)) and not isinstance(m.created, bool), "has a created time that is not a number"),
+        (isinstance(m.created, (int, float)) and not isinstance(m.created, bool) and 0 <= m.created < MAX_CREATED,
+         "has a created time that is not a time (seconds since 1970, before the year 3000)"),
         (isinstance(m.complete, bool), "has a complete flag that is not true or false"),
         (isinstance(m.files, dict) and m.files, "lists no files"),
     ]

@@ -22,9 +22,7 @@ rank's main thread) ends, and it exits when its socket closes.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +32,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.futures import Future
 
-PR_SET_PDEATHSIG = 1
+from ..rank import die_with_parent
+
 _HELPER: WriterProcess | None = None
 
 
@@ -121,7 +120,7 @@ def main() -> None:
     import multiprocessing.connection
 
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     conn = multiprocessing.connection.Connection(fd)
     multiprocessing.current_process().authkey = conn.recv_bytes()
     _serve(conn)
@@ -151,12 +150,3 @@ def _serve(conn) -> None:
         except OSError:
             return
 
-
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform == "linux":
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:  # the rank died before the line above
-        os._exit(0)

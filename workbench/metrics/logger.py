@@ -333,10 +333,15 @@ def _stack(frame, limit: int = 8) -> str | None:
 
 def _checked(scalars: dict) -> dict:
     for name, value in scalars.items():
-        if not isinstance(value, Number) and not _is_scalar_tensor(value):
-            raise TypeError(
-                f"workbench.log({name}=...) takes numbers or one-element tensors, got {type(value).__name__}"
-            )
+        if isinstance(value, Number) and not isinstance(value, complex):
+            try:
+                float(value)
+            except (OverflowError, ValueError, TypeError):
+                raise TypeError(f"workbench.log({name}=...) takes real numbers a float can hold, got "
+                                f"{type(value).__name__} {str(value)[:40]}") from None
+        elif not _is_scalar_tensor(value) or value.is_complex():
+            raise TypeError(f"workbench.log({name}=...) takes real numbers or one-element real tensors, "
+                            f"got {type(value).__name__}" + (" (complex)" if _is_scalar_tensor(value) else ""))
     return {name: (value.detach() if hasattr(value, "detach") else value) for name, value in scalars.items()}
 
 
