@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import wait_until_gone
 
-from workbench import CellOptions, Fleet, OptionsError
+from workbench import CellOptions, DistributedCellError, Fleet, FleetError, OptionsError
 
 N, B = 96, 4  # ids, batch per rank: an epoch is 12 steps at 2 ranks, 8 at 3, 6 at 4
 
