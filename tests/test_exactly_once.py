@@ -103,10 +103,10 @@ def assert_same_params(a, b) -> None:
     assert len(a) == len(b) and all(x.equal(y) for x, y in zip(a, b, strict=True)), "parameters differ"
 
 
-def fresh_start(fleet, options: CellOptions | None = None) -> None:
+def fresh_start(fleet, options: CellOptions | None = None, setup: str = SETUP) -> None:
     """The setup cells again on every rank, at step 0 (a new run on the same engines)."""
     fleet.setup_cells = []
-    fleet.execute(SETUP, options or CellOptions(), show_output=False, setup=True)
+    fleet.execute(setup, options or CellOptions(), show_output=False, setup=True)
     fleet.execute(TRAIN, options or CellOptions(), show_output=False, setup=True)
     fleet.run("workbench.step = 0", show_output=False)
 
@@ -155,23 +155,25 @@ def test_restart_in_epoch_1_resumes_the_same_order_bit_exact(fleet, tmp_path):
     assert_exactly_once(path, [2] * 24)
 
 
-@pytest.mark.parametrize("seed", [3, 11])
-def test_rescale_mid_epoch_trains_every_sample_once(fleet, tmp_path, seed):
-    """2 -> 3 -> 2 ranks at seeded random steps, across an epoch boundary."""
+@pytest.mark.parametrize("seed,generator", [(3, True), (11, True), (5, False)])
+def test_rescale_mid_epoch_trains_every_sample_once(fleet, tmp_path, seed, generator):
+    """2 -> 3 or 4 -> 2 ranks at seeded random steps, across an epoch boundary; with the loader's
+    own generator, or none (accelerate makes one, seeded from rank 0's global RNG)."""
     resize(fleet, 2)
     rng = random.Random(seed)
     first = rng.randrange(1, 12)  # in epoch 0, at 2 ranks
     second = rng.randrange(first + 1, first + 12)
     stop = second + rng.randrange(4, 14)
+    middle = rng.choice([3, 4])
     path = str(tmp_path / "rescale.jsonl")
-    fresh_start(fleet)
+    fresh_start(fleet, setup=SETUP if generator else SETUP.replace(", generator=torch.Generator().manual_seed(7)", ""))
     train(fleet, first, 0, path)
-    fleet.scale(3)
-    assert fleet.run("workbench.step", show_output=False) == [first] * 3
+    fleet.scale(middle)
+    assert fleet.run("workbench.step", show_output=False) == [first] * middle
     train(fleet, second, 1, path)
     fleet.scale(2)
     train(fleet, stop, 2, path)
-    assert_exactly_once(path, [2] * first + [3] * (second - first) + [2] * (stop - second))
+    assert_exactly_once(path, [2] * first + [middle] * (second - first) + [2] * (stop - second))
 
 
 def test_rescale_with_grad_accum_moves_at_optimizer_steps(fleet, tmp_path):
@@ -319,6 +321,32 @@ def test_iterable_dataset_resumes_exactly_and_refuses_what_cannot_move(fleet):
     in_order = [batch for pair in zip(rest[0], rest[1], strict=True) for batch in pair]
     assert fleet.run("take(14)", strategy="none", show_output=False)[0] == in_order
     fleet.scale(2)
+
+
+def test_an_iterable_each_rank_reads_its_own_part_of_resumes_at_its_size_only(fleet):
+    """An HF IterableDataset that accelerate shards (dispatch_batches=False: each rank reads its own
+    files): exact at the same world size; another size is refused before anything changes."""
+    resize(fleet, 2)
+    none = CellOptions(strategy="none")
+    sharded = ITERABLE.replace("model, optimizer, loader = accelerator.prepare(",
+                               "accelerator.dataloader_config.dispatch_batches = False\n"
+                               "model, optimizer, loader = accelerator.prepare(")
+    fleet.setup_cells = []
+    fleet.execute(sharded, none, show_output=False, setup=True)
+    fleet.run("workbench.step = 0", strategy="none", show_output=False)
+    first = fleet.run("take(4)", strategy="none", show_output=False)
+    assert fleet.run("(loader._workbench_position.kind, loader._workbench_position.dealt)", strategy="none",
+                     show_output=False) == [("stream", False)] * 2
+    fleet.run("workbench.checkpoint.save(tag='own-4')", strategy="none", show_output=False)
+    rest = fleet.run("take(2)", strategy="none", show_output=False)
+    fleet.execute(sharded, none, show_output=False)
+    fleet.run("workbench.checkpoint.restore('own-4')", strategy="none", show_output=False)
+    assert fleet.run("take(2)", strategy="none", show_output=False) == rest
+    assert first[0] != first[1]
+    fleet.run("workbench.checkpoint.restore('own-4')", strategy="none", show_output=False)
+    with pytest.raises(OptionsError, match="each rank reads its own part of.* only at 2 ranks"):
+        fleet.scale(3)
+    assert fleet.world_size == 2
 
 
 def test_step_counts_optimizer_steps_only(fleet):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import engine, execution
-from .elastic import auto_recover, handle_stragglers, recover_if_dead
+from .elastic import auto_recover, handle_stragglers, recover_if_dead, refuse_if_unfinished
 from .errors import FleetError, OptionsError
 from .options import CellOptions
 
@@ -49,8 +49,10 @@ def _admit(fleet, options: CellOptions, ranks) -> list[int]:
 
 
 def _refuse_unrecovered(fleet) -> None:
-    """A replaced rank has an empty namespace: running cells before %fleet recover would leave
-    ranks at different steps and parameters (and end in a collective timeout)."""
+    """A replaced rank has an empty namespace, or a scale or recover stopped half-way: running
+    cells before %fleet recover would leave ranks at different steps and parameters (and end in
+    a collective timeout)."""
+    refuse_if_unfinished(fleet)
     if fleet.fresh_ranks and not fleet.replaying:
         raise FleetError(f"rank {','.join(map(str, fleet.fresh_ranks))} was replaced by a fresh engine (empty "
                          "namespace); run %fleet recover first, so that every rank has the same state")
@@ -62,6 +64,7 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
     chosen = _admit(fleet, options, ranks)
     if setup and ranks is not None and len(chosen) != fleet.world_size:
         raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
+    refuse_if_unfinished(fleet)  # before a dead engine's message: the command left engines half set up
     recover_if_dead(fleet)
     _refuse_unrecovered(fleet)
     fleet.cells_run += 1

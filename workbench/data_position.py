@@ -120,7 +120,6 @@ class DataPosition:
         self.yielded = 0  # batches this rank handed to the loop in the open pass (after the skipped ones)
         self.done = 0  # of those, the ones completed optimizer steps used
         self.pass_generators: list[str] = []  # the shuffle generators' states when the open pass began
-        self._resumed = False
         begin = loader.begin
 
         def begin_pass():  # after accelerate synchronised the generator, before the pass draws from it
@@ -166,9 +165,7 @@ class DataPosition:
 
     def iterate(self, batches):
         """Wraps one pass of the loader (accelerate's ``__iter__``)."""
-        from . import rank as rank_module
-
-        world = rank_module.STATE.spec.world_size if rank_module.STATE.spec else 1
+        world = _world_size()
         if self.open and self._finished():  # every batch used, the loop just never asked for the end
             self.loader.iteration += 1
             self.open = False
@@ -185,7 +182,7 @@ class DataPosition:
             self.open, self.start, self.yielded, self.done = False, 0, 0, 0
         finally:
             if self.kind == "stream":
-                self.loader.skip_batches = 0
+                self.loader.skip_batches = 0  # set by _arm for this pass only
 
     def _arm(self, world: int) -> None:
         """The next pass resumes the open one: same order, the used part skipped."""
@@ -209,15 +206,13 @@ class DataPosition:
     # ------------------------------------------------------------ saved
     def state(self) -> str:
         """What a checkpoint keeps (JSON)."""
-        epoch = int(getattr(self.loader, "iteration", 0))
-        if self.open and self._finished():
-            return json.dumps({"kind": self.kind, "dealt": self.dealt, "split": self.split, "epoch": epoch + 1,
-                               "open": False, "world": self.world, "start": 0, "done": 0,
-                               "generators": [_encode(g) for g in self._generators()]})
-        generators = self.pass_generators if self.open else [_encode(g) for g in self._generators()]
-        return json.dumps({"kind": self.kind, "dealt": self.dealt, "split": self.split, "epoch": epoch,
-                           "open": self.open, "world": self.world, "start": self.start, "done": self.done,
-                           "generators": generators})
+        saved = {"kind": self.kind, "dealt": self.dealt, "split": self.split, "world": self.world,
+                 "epoch": int(getattr(self.loader, "iteration", 0)), "open": self.open, "start": self.start,
+                 "done": self.done, "generators": self.pass_generators}
+        if not self.open or self._finished():  # the next pass is a new epoch, drawn from the generators as they are
+            saved.update(open=False, start=0, done=0, generators=[_encode(g) for g in self._generators()])
+            saved["epoch"] += int(self.open)
+        return json.dumps(saved)
 
     def load(self, text: str) -> None:
         """Take a saved position: the next pass resumes it (resharded if the world size changed)."""
@@ -269,16 +264,19 @@ class _DiesWithItsRank:
             self.inner(worker_id)
 
 
+def _world_size() -> int:
+    from .rank import STATE
+
+    return STATE.spec.world_size if STATE.spec else 1
+
+
 def track(loader) -> None:
     """Give a prepared loader an exact position, and workers that die with their rank
     (``accelerator.prepare`` calls it)."""
     import os
 
-    from . import rank as rank_module
-
     _install()
-    world = rank_module.STATE.spec.world_size if rank_module.STATE.spec else 1
-    loader._workbench_position = DataPosition(loader, world)
+    loader._workbench_position = DataPosition(loader, _world_size())
     base = getattr(loader, "base_dataloader", loader)
     if getattr(base, "num_workers", 0) and not isinstance(base.worker_init_fn, _DiesWithItsRank):
         base.worker_init_fn = _DiesWithItsRank(base.worker_init_fn, os.getpid())

@@ -13,8 +13,11 @@ else from the latest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
+from dataclasses import dataclass
 
 from . import engine, rendezvous
 from .checkpoint import api as checkpoint_api
@@ -25,6 +28,7 @@ from .errors import FleetError, OptionsError
 from .output import ProgressLine
 
 MAX_RANKS = 4096  # past this a typo, not a fleet: nothing is built for it
+BUSY_WAIT_S = 3.0  # how long an engine may take to answer before an unfinished command's recover replaces it
 
 
 class _Phases:
@@ -34,12 +38,15 @@ class _Phases:
         self.progress = ProgressLine(fleet.progress)
         self.what = what
         self.timings: dict[str, float] = {}
+        self.current: str | None = None  # the phase running (where an interrupt stopped it)
 
     def run(self, name: str, text: str, fn, *args, **kwargs):
         done = "  ".join(f"{k} {v:.1f}s" for k, v in self.timings.items())
         self.progress.show(f"{self.what}: {text}…  {done}")
         started = time.monotonic()
+        self.current = name
         value = fn(*args, **kwargs)
+        self.current = None
         self.timings[name] = time.monotonic() - started
         return value
 
@@ -49,6 +56,55 @@ class _Phases:
         self.progress.show(f"{self.what}: done in {total:.1f} s ({steps}); {tail}")
 
 
+@dataclass
+class Unfinished:
+    """A scale or recover stopped half-way (an interrupt, an error) after it began changing the
+    fleet: cells and scales are refused until ``%fleet recover`` finishes it."""
+
+    what: str  # "scale 2→4", "recover"
+    world: int  # the world size it was making
+    tag: str | None  # the checkpoint holding the state to restore (a scale's, a healthy recover's)
+    phases: _Phases
+
+    def describe(self) -> str:
+        at = f" during its {self.phases.current} phase" if self.phases.current else ""
+        source = f" from checkpoint {self.tag!r}" if self.tag else ""
+        return (f"%fleet {self.what} was interrupted{at}; run %fleet recover to finish it{source} "
+                f"({self.world} ranks)")
+
+
+@contextlib.contextmanager
+def _changing(fleet, unfinished: Unfinished):
+    """While the fleet is changed: an exception (KeyboardInterrupt included) leaves it marked."""
+    fleet.unfinished = unfinished
+    yield
+    fleet.unfinished = None
+
+
+def refuse_if_unfinished(fleet) -> None:
+    if fleet.unfinished is not None and not fleet.replaying:
+        raise FleetError(fleet.unfinished.describe())
+
+
+def _release_busy(fleet, phases: _Phases) -> list[int]:
+    """Ranks still inside a call of the interrupted command (a rendezvous, a save, ...) cannot take
+    new work: replace them. Their state is in the command's checkpoint, if it took one."""
+    waits = {rank: fleet.client[fleet.engine_ids([rank])].apply_async(os.getpid) for rank in range(fleet.world_size)}
+    deadline = time.monotonic() + BUSY_WAIT_S
+    busy = [rank for rank, result in waits.items() if not result.wait(max(0.0, deadline - time.monotonic()))]
+    if busy:
+        phases.run("engines", f"replacing busy rank {','.join(map(str, busy))}", fleet.replace, busy)
+    return busy
+
+
+def _resize_to(fleet, world: int) -> None:
+    """Add fresh engines or remove the last ranks until the fleet has ``world`` ranks."""
+    if world > fleet.world_size:
+        fleet.pool.add_engines(fleet.pool.new_slots(world - fleet.world_size))
+    elif world < fleet.world_size:
+        fleet.pool.remove_ranks(list(range(world, fleet.world_size)))
+
+
 def _keep_live_state(fleet, lost: set[int]) -> int | None:
     """Survivors set their state aside before the setup replay; returns the engine id of the
     one to take it from, or None when no survivor holds the whole state (sharded, or none left)."""
@@ -56,8 +112,8 @@ def _keep_live_state(fleet, lost: set[int]) -> int | None:
     if not survivors:
         return None
     ids = fleet.engine_ids(survivors)
-    try:
-        kept = fleet.client[ids].apply_async(replica.keep).get(timeout=60)
+    try:  # a recover that was interrupted after the survivors set their state aside takes that again
+        kept = fleet.client[ids].apply_async(replica.keep, fleet.unfinished is not None).get(timeout=60)
     except Exception:  # a survivor that cannot answer: the checkpoint it is
         kept = [None]
     if all(k and k["replicated"] for k in kept) and len({tuple(k["keys"]) for k in kept}) == 1:
@@ -72,7 +128,7 @@ def _refuse_resize(fleet, world: int, what: str, ranks: list[int] | None = None)
     """Refuse, before anything changes, a resize that would lose the data's exact position or
     per-rank state (asks the first of ``ranks``, rank 0 by default: ranks agree on it)."""
     survivor = fleet.engine_ids(ranks or [0])[:1]
-    refused = fleet.client[survivor].apply_sync(checkpoint_api.refusals_at, world)[0]
+    refused = fleet.client[survivor].apply_async(checkpoint_api.refusals_at, world).get()[0]
     if refused:
         raise OptionsError(f"{what} (nothing was changed): {refused[0]}")
 
@@ -104,7 +160,7 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str, replica_engine: int | 
         return {"tag": None, "source": source, **report}
     if tag == "latest" and not [e for e in fleet.checkpoints.list() if e.state == "complete"]:
         # nothing saved yet: every rank starts again from the setup state, survivors included
-        fleet.client[fleet.engine_ids()].apply_sync(engine.set_step, 0)
+        fleet.client[fleet.engine_ids()].apply_async(engine.set_step, 0).get()
         fleet.fresh_ranks = []
         return {"tag": None, "step": 0, "restored": []}
     report = phases.run("restore", "restoring (resharded)", fleet.checkpoints.restore, tag)
@@ -114,10 +170,10 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str, replica_engine: int | 
 
 def _teardown(fleet) -> None:
     """Every rank leaves the process group; background saves the old group broke are set aside."""
-    broken = fleet.client[fleet.engine_ids()].apply_sync(abandon_saves)
+    broken = fleet.client[fleet.engine_ids()].apply_async(abandon_saves).get()
     for notice in sorted({n for errors in broken for n in errors}):
         print(f"workbench: {notice} (not used: it was never committed)", file=sys.stderr, flush=True)
-    fleet.client[fleet.engine_ids()].apply_sync(rendezvous.leave)
+    fleet.client[fleet.engine_ids()].apply_async(rendezvous.leave).get()
 
 
 def handle_stragglers(fleet) -> None:
@@ -159,15 +215,19 @@ def recover_if_dead(fleet) -> None:
 def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
     the process group, replay the setup cells on every rank, then give every rank the
-    survivors' state (DDP: a live replica) or the latest complete checkpoint (resharded)."""
+    survivors' state (DDP: a live replica) or the latest complete checkpoint (resharded).
+    After an interrupted scale or recover (``fleet.unfinished``) it finishes that instead:
+    busy engines replaced, the fleet brought to the size it was making, its checkpoint restored."""
     fleet.targets(None)
     phases = _Phases(fleet, "recover")
+    unfinished = fleet.unfinished
+    busy = _release_busy(fleet, phases) if unfinished is not None else []
     died = fleet.pool.dead_ranks(settle_s=0.5)
     dead = sorted(set(died) | set(replace))
-    replaced_before = set(fleet.fresh_ranks)  # replaced already, after the cell that saw them die
-    replica_engine = _keep_live_state(fleet, set(dead) | replaced_before)
-    tag = "latest"
-    if replica_engine is None and not died and not replaced_before:
+    replaced_before = set(fleet.fresh_ranks) | set(busy)  # fresh engines already, with no state yet
+    tag = unfinished.tag if unfinished is not None and unfinished.tag else "latest"
+    replica_engine = None if tag != "latest" else _keep_live_state(fleet, set(dead) | replaced_before)
+    if replica_engine is None and tag == "latest" and not died and not replaced_before:
         # every rank is alive (a healthy fleet, or stragglers to replace) but the state is sharded:
         # saved first, as a scale does, so that no rank's live state is lost
         try:
@@ -175,35 +235,38 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
         except Exception as exc:  # e.g. the process group is broken: only a saved state is left
             print(f"workbench: the live sharded state could not be saved first ({exc}); recovering from the latest "
                   "checkpoint", file=sys.stderr, flush=True)
-    if shrink:
-        # the lost ranks: dead now, or already replaced by fresh engines after the failed cell
-        lost = sorted(set(dead) | set(fleet.fresh_ranks))
-        if len(lost) >= fleet.world_size:
-            raise OptionsError("no rank would be left: recover without --shrink")
-        if lost:
-            survivors = [r for r in range(fleet.world_size) if r not in lost]
-            try:
-                _refuse_resize(fleet, fleet.world_size - len(lost), "cannot shrink", survivors)
-            except OptionsError:
-                _drop_kept(fleet, fleet.engine_ids(survivors))
-                raise
+    lost = sorted(set(dead) | set(fleet.fresh_ranks)) if shrink else []
+    if len(lost) >= fleet.world_size:
+        raise OptionsError("no rank would be left: recover without --shrink")
+    if lost:
+        survivors = [r for r in range(fleet.world_size) if r not in lost]
+        try:
+            _refuse_resize(fleet, fleet.world_size - len(lost), "cannot shrink", survivors)
+        except OptionsError:
+            _drop_kept(fleet, fleet.engine_ids(survivors))
+            raise
+    world = fleet.world_size - len(lost) if shrink else (unfinished.world if unfinished is not None else
+                                                            fleet.world_size)
+    with _changing(fleet, Unfinished("recover", world, None if tag == "latest" else tag, phases)):
         if lost:
             phases.run("engines", f"removing rank {','.join(map(str, lost))}", fleet.pool.remove_ranks, lost)
-        dead = lost
-    elif dead:
-        phases.run("engines", f"replacing rank {','.join(map(str, dead))}", fleet.replace, dead)
-    try:
-        phases.run("teardown", "process group teardown", _teardown, fleet)
-    except Exception:
-        # an engine killed a moment before recover looked (still exiting then) fails the teardown
-        late = [] if shrink else fleet.pool.dead_ranks(settle_s=2.0)
-        if not late:
-            raise
-        phases.run("engines", f"replacing rank {','.join(map(str, late))}", fleet.replace, late)
-        dead = sorted(set(dead) | set(late))
-        phases.run("teardown", "process group teardown", _teardown, fleet)
-    phases.run("rendezvous", "rendezvous", fleet.rendezvous)
-    report = _replay_and_restore(fleet, phases, tag, replica_engine)
+            dead = lost
+        elif dead and not shrink:
+            phases.run("engines", f"replacing rank {','.join(map(str, dead))}", fleet.replace, dead)
+        if world != fleet.world_size:
+            phases.run("engines", f"{fleet.world_size} → {world} ranks", _resize_to, fleet, world)
+        try:
+            phases.run("teardown", "process group teardown", _teardown, fleet)
+        except Exception:
+            # an engine killed a moment before recover looked (still exiting then) fails the teardown
+            late = [] if shrink else fleet.pool.dead_ranks(settle_s=2.0)
+            if not late:
+                raise
+            phases.run("engines", f"replacing rank {','.join(map(str, late))}", fleet.replace, late)
+            dead = sorted(set(dead) | set(late))
+            phases.run("teardown", "process group teardown", _teardown, fleet)
+        phases.run("rendezvous", "rendezvous", fleet.rendezvous)
+        report = _replay_and_restore(fleet, phases, tag, replica_engine)
     if report.get("source") is not None:
         tail = (f"restored {', '.join(report['restored'])} from the live state of rank {report['source']} "
                 f"at step {report['step']} (no checkpoint needed)")
@@ -211,6 +274,8 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
         tail = f"restored {', '.join(report['restored'])} from {report['tag']!r} at step {report['step']}"
     else:
         tail = "no checkpoint yet: every rank starts again from the setup cells, at step 0"
+    if unfinished is not None:
+        tail = f"finished the interrupted {unfinished.what}: {fleet.world_size} ranks; {tail}"
     phases.done(tail)
     replaced = dead if shrink else sorted(set(dead) | replaced_before)
     return {"timings": phases.timings, "replaced": replaced, "checkpoint": report["tag"], "step": report["step"],
@@ -222,6 +287,7 @@ def scale(fleet, n: int) -> dict:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise OptionsError(f"scale needs a whole number of ranks >= 1 (got {n!r}); e.g. %fleet scale 3")
     fleet.targets(None)
+    refuse_if_unfinished(fleet)
     recover_if_dead(fleet)
     if fleet.fresh_ranks:
         raise OptionsError(f"rank {','.join(map(str, fleet.fresh_ranks))} was replaced and has no state yet; "
@@ -244,13 +310,14 @@ def scale(fleet, n: int) -> dict:
         for set_id in launched:
             fleet.processes.stop_engine_set(set_id)
         raise
-    phases.run("teardown", "process group teardown", fleet.client[fleet.engine_ids()].apply_sync, rendezvous.leave)
-    if n > old:
-        phases.run("engines", "adding engines", fleet.pool.add_engines, slots, launched)
-    else:
-        phases.run("engines", "removing engines", fleet.pool.remove_ranks, list(range(n, old)))
-    phases.run("rendezvous", "rendezvous", fleet.rendezvous)
-    report = _replay_and_restore(fleet, phases, tag)
+    with _changing(fleet, Unfinished(f"scale {old}→{n}", n, tag, phases)):
+        phases.run("teardown", "process group teardown", _teardown, fleet)
+        if n > old:
+            phases.run("engines", "adding engines", fleet.pool.add_engines, slots, launched)
+        else:
+            phases.run("engines", "removing engines", fleet.pool.remove_ranks, list(range(n, old)))
+        phases.run("rendezvous", "rendezvous", fleet.rendezvous)
+        report = _replay_and_restore(fleet, phases, tag)
     phases.done(f"restored {', '.join(report['restored']) or 'nothing'} at step {report['step']}")
     timings = phases.timings
     return {"timings": timings, "checkpoint": tag, "restored": report["restored"], "step": report["step"]}

@@ -55,6 +55,14 @@ class CellResult:
         return reply.get("display") if reply else None
 
 
+class CellInterrupted(KeyboardInterrupt):
+    """The kernel was interrupted during a cell. IPython shows only the ranks' report (one line a
+    group of ranks, and the tracebacks of ranks that failed), not workbench's own frames."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [*str(self).splitlines(), "KeyboardInterrupt"]
+
+
 class DistributedCellError(WorkbenchError):
     """One or more ranks raised. Each distinct traceback is shown once."""
 
@@ -291,9 +299,10 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     if timed_out:
         notes.insert(0, f"the cell ran past --timeout {timeout:g} s and was stopped on every rank")
     if interrupted:
-        err = DistributedCellError(failures, fleet.world_size, notes, interrupted=True)
-        print(err.report())
-        raise KeyboardInterrupt
+        if not failures:  # every rank handled the interrupt (a loop that catches KeyboardInterrupt)
+            print("workbench: interrupted; every rank ended the cell cleanly", file=sys.stderr, flush=True)
+            return result
+        raise CellInterrupted(DistributedCellError(failures, fleet.world_size, notes, interrupted=True).report())
     if failures:
         error = DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None,
                                      dead=dead, hung=[h.rank for h in hangs], lost=lost)

@@ -31,7 +31,7 @@ from .metrics.live import FleetMetrics
 from .options import CellOptions, FleetOptions, TuneOptions, parse_size
 from .output import ProgressLine
 from .pool import EnginePool, Member
-from .processes import Processes
+from .processes import Processes, one_line
 from .ranklogs import RankLogs
 from .runs import new_run_dir
 
@@ -89,6 +89,7 @@ class Fleet:
         self.restarts = 0
         self.fresh_ranks: list[int] = []  # replaced after dying, not set up again yet: cells wait for recover
         self.replaying = False  # recover/scale replaying the setup cells (runs on fresh ranks too)
+        self.unfinished: elastic.Unfinished | None = None  # a scale or recover stopped half-way
         self.generation = 0  # of the process group: one more at every rendezvous
         self.group_mark = 0  # the metrics records of the current process group start here
         self.slow_reported: set[int] = set()  # stragglers already named in a cell's output
@@ -174,7 +175,7 @@ class Fleet:
             self._finish_saves(client)
         if self.attached and client is not None:
             try:
-                client[self.engine_ids()].apply_sync(rendezvous.leave)
+                client[self.engine_ids()].apply_async(rendezvous.leave).get()
             except Exception:
                 pass
             try:
@@ -220,8 +221,8 @@ class Fleet:
 
     def _join_run(self, engine_ids: list[int]) -> None:
         """New engines join the run: metrics to the collector, checkpoints under the run, memory limit."""
-        self.pool.client[engine_ids].apply_sync(engine.attach, self.metrics.address, self.run_dir,
-                                                self.memory_limit, self.device_type == "cpu")
+        self.pool.client[engine_ids].apply_async(engine.attach, self.metrics.address, self.run_dir,
+                                                self.memory_limit, self.device_type == "cpu").get()
 
     def adopt_spares(self) -> None:
         """Spare engines that registered since become warm (torch and accelerate imported)."""
@@ -377,7 +378,10 @@ class Fleet:
     def pull(self, name: str, rank: int = 0) -> Any:
         """Copy the value of ``name`` from one rank's namespace (tensors to CPU)."""
         (target,) = self.targets([rank])
-        reply = self.client[self.member(target).engine_id].apply_sync(engine.pull, name)
+        try:
+            reply = self.client[self.member(target).engine_id].apply_async(engine.pull, name).get()
+        except Exception as exc:  # the value cannot travel back (not picklable: a lock, an open file, ...)
+            raise FleetError(f"rank {target}: {name!r} cannot be copied to the kernel: {one_line(exc)}") from None
         if not reply["ok"]:
             raise FleetError(f"rank {target}: {reply['evalue']}; define it in a %%distributed cell first")
         return reply["value"]
@@ -385,7 +389,10 @@ class Fleet:
     def push(self, **values: Any) -> None:
         """Set ``values`` in every rank's namespace."""
         self.targets(None)
-        self.client[self.engine_ids()].apply_sync(engine.push, values)
+        try:
+            self.client[self.engine_ids()].apply_async(engine.push, values).get()
+        except Exception as exc:  # a value that cannot travel (not picklable: a lock, a generator, ...)
+            raise FleetError(f"cannot send {', '.join(map(repr, values))} to the ranks: {one_line(exc)}") from None
 
     def status(self) -> list[dict]:
         """One row per rank: rank, engine id, pid, host, device, state, memory (:mod:`workbench.status`)."""

@@ -24,8 +24,8 @@ def join_all(pool: EnginePool, *, backend: str, timeout_s: float, generation: in
     hosts = {m.host for m in members}
     rank0 = pool.client[pool.member(0).engine_id]
     single_host = len(hosts) == 1
-    port = rank0.apply_sync(rendezvous.free_port, single_host)
-    addr = rendezvous.LOOPBACK if single_host else rank0.apply_sync(rendezvous.host_address)
+    port = rank0.apply_async(rendezvous.free_port, single_host).get()
+    addr = rendezvous.LOOPBACK if single_host else rank0.apply_async(rendezvous.host_address).get()
     store = os.path.join(runtime_dir, f"store-{generation}") if single_host and runtime_dir else None
     pending = []
     started = time.monotonic()

@@ -121,7 +121,7 @@ class EnginePool:
         """Ask engines that registered since the last call who they are (slot, pid, host)."""
         new = [e for e in self.client.ids if e not in self._identities]
         if new:
-            self._identities.update(zip(new, self.client[new].apply_sync(rendezvous.identify), strict=True))
+            self._identities.update(zip(new, self.client[new].apply_async(rendezvous.identify).get(), strict=True))
 
     def _unassigned(self) -> dict[int, tuple[int, Identity]]:
         """Registered engines that are neither a rank nor a spare, by launch slot."""

@@ -22,24 +22,28 @@ from .state import PER_RANK_MARK, CheckpointState, is_per_rank, per_rank_key, se
 KEPT: dict | None = None  # this rank's state dict, set aside by keep() until share() or drop()
 
 
-def keep() -> KeptState | None:
+def keep(again: bool = False) -> KeptState | None:
     """Set this rank's prepared state aside; return ``{"step", "replicated", "keys"}``, or
     None when nothing is prepared. ``keys`` leaves out this rank's own entries (its RNG, its
     stream positions), which no other rank has. Objects prepared on an older process group count
-    (the group was rebuilt after the failure that made recovery necessary)."""
+    (the group was rebuilt after the failure that made recovery necessary). ``again``: a recover
+    that was interrupted set the state aside already (its setup replay may have replaced the
+    objects since): that state is the one to keep."""
     global KEPT
     from ..metrics.logger import LOGGER
     from ..rank import STATE, namespace
 
-    rank = STATE.spec.rank if STATE.spec else 0
-    state = CheckpointState(namespace(), rank, LOGGER.step, any_generation=True)
-    if not any(state.objects.values()):
-        KEPT = None
-        return None
-    KEPT = state.state_dict()
+    if not (again and KEPT is not None):
+        rank = STATE.spec.rank if STATE.spec else 0
+        state = CheckpointState(namespace(), rank, LOGGER.step, any_generation=True)
+        if not any(state.objects.values()):
+            KEPT = None
+            return None
+        KEPT = state.state_dict()
     # a per-rank registered object of a replaced rank died with it: only a checkpoint has it
     replicated = not _has_shards(KEPT) and not any(k.startswith("user/") and is_per_rank(k) for k in KEPT)
-    return KeptState(step=LOGGER.step, replicated=replicated, keys=sorted(k for k in KEPT if not is_per_rank(k)))
+    return KeptState(step=int(KEPT["workbench"]["step"]), replicated=replicated,
+                     keys=sorted(k for k in KEPT if not is_per_rank(k)))
 
 
 def share(src: int) -> Restored:

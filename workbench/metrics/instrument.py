@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 
-from ..data_position import optimizer_prepared, track
+from ..data_position import track
 from .comm import CommClock
 
 
@@ -126,7 +126,6 @@ def instrument(obj, logger, options=None) -> None:
         # accelerate's optimizer wrapper skips the inner step while accumulating
         obj.optimizer.register_step_post_hook(lambda *_: logger.optimizer_stepped())
         logger.optimizer_prepared()
-        optimizer_prepared()
     elif isinstance(obj, torch.utils.data.DataLoader):
         track(obj)
     else:

@@ -109,8 +109,12 @@ class MetricsLogger:
         self._trained_since_record = True
 
     def optimizer_prepared(self) -> None:
-        """``accelerator.prepare`` returned an optimizer: from now on its steps are the steps."""
+        """``accelerator.prepare`` returned an optimizer: from now on its steps are the steps, and
+        dataloader positions advance at them."""
+        from ..data_position import optimizer_prepared
+
         self.optimizer_driven = True
+        optimizer_prepared()
 
     @contextlib.contextmanager
     def not_counting(self):

@@ -64,6 +64,7 @@ class MetricsStore:
     records: list[Record] = field(default_factory=list)
     streams: dict[int, RankStream] = field(default_factory=dict)
     cells_done: dict[int, int] = field(default_factory=dict)  # engine pid -> the cell counter of its last reply
+    seq_by_pid: dict[int, int] = field(default_factory=dict)  # engine pid -> its last record that arrived
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition()
@@ -86,7 +87,7 @@ class MetricsStore:
             stream.dropped = message["dropped"]
             stream.total = message.get("total")
             if message["records"]:
-                stream.seq = message["records"][-1][1]
+                stream.seq = self.seq_by_pid[message["pid"]] = message["records"][-1][1]
             stream.memory = message.get("memory") or stream.memory
             beat = message.get("beat")
             if beat is not None:
@@ -98,14 +99,12 @@ class MetricsStore:
         return new
 
     def wait_for(self, seqs: dict[int, tuple[int, int]], timeout: float) -> bool:
-        """Wait until each rank's stream (pid, seq) has arrived; False on timeout."""
+        """Wait until each rank's records up to (pid, seq) have arrived; False on timeout. By
+        engine pid, not rank: an engine's earlier records may have come under another rank
+        (a rescale renumbers ranks)."""
 
         def arrived():
-            for rank, (pid, seq) in seqs.items():
-                stream = self.streams.get(rank)
-                if seq and (stream is None or stream.pid != pid or stream.seq < seq):
-                    return False
-            return True
+            return all(self.seq_by_pid.get(pid, 0) >= seq for pid, seq in seqs.values())
 
         with self.changed:
             return self.changed.wait_for(arrived, timeout)
