@@ -55,6 +55,18 @@ def _kill_and_recover(fleet, path, steps, kill_at, victims, options=None, **reco
     return fleet.recover(**recover)
 
 
+def _ddp_recovery(fleet, tmp, reference, steps: int, kill_at: int) -> dict:
+    """Rank 1 SIGKILLed after step ``kill_at`` of a DDP run, %fleet recover, training on."""
+    world = fleet.world_size
+    path = str(tmp / f"recover{world}.jsonl")
+    probe.fresh_start(fleet)
+    _kill_and_recover(fleet, path, steps, kill_at, (1,))
+    probe.train(fleet, steps, 1, path)
+    return {f"DDP SIGKILL + recover, {world} ranks": _counts(path, [world] * steps),
+            f"DDP recover {world} ranks: max |param - uninterrupted|": _diff(
+                reference, fleet.run(probe.PARAMS, show_output=False)[0])}
+
+
 def main() -> dict:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-exactly-once-"))
     result: dict = {}
@@ -80,13 +92,7 @@ def main() -> dict:
         probe.train(fleet, 24, 2, path)
         result["scale 2->3 at step 5, 3->2 at 13"] = _counts(path, [2] * 5 + [3] * 8 + [2] * 11)
 
-        path = str(tmp / "recover2.jsonl")
-        probe.fresh_start(fleet)
-        _kill_and_recover(fleet, path, 24, 13, (1,))
-        probe.train(fleet, 24, 1, path)
-        result["DDP SIGKILL + recover, 2 ranks"] = _counts(path, [2] * 24)
-        result["DDP recover 2 ranks: max |param - uninterrupted|"] = _diff(
-            ref2, fleet.run(probe.PARAMS, show_output=False)[0])
+        result.update(_ddp_recovery(fleet, tmp, ref2, 24, 13))
 
         fsdp = CellOptions(strategy="fsdp")
         path = str(tmp / "fsdp.jsonl")
@@ -98,14 +104,7 @@ def main() -> dict:
         result["FSDP SIGKILL + recover from checkpoint, 2 ranks"] = _counts(path, [2] * 24)
 
         fleet.scale(3)
-        ref3 = probe.reference(fleet, tmp, 16)
-        path = str(tmp / "recover3.jsonl")
-        probe.fresh_start(fleet)
-        _kill_and_recover(fleet, path, 16, 9, (1,))
-        probe.train(fleet, 16, 1, path)
-        result["DDP SIGKILL + recover, 3 ranks"] = _counts(path, [3] * 16)
-        result["DDP recover 3 ranks: max |param - uninterrupted|"] = _diff(
-            ref3, fleet.run(probe.PARAMS, show_output=False)[0])
+        result.update(_ddp_recovery(fleet, tmp, probe.reference(fleet, tmp, 16), 16, 9))
     return report("exactly_once", result)
 
 

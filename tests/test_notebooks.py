@@ -64,7 +64,8 @@ def test_notebook_runs_headless(path, tmp_path):
         assert re.search(r"rank 2 is slow: its compute per step .* is [0-9.]+× the other ranks' median", text)
         assert "rank 0 is slow" not in text and "rank 1 is slow" not in text
         assert re.search(r"\n2 +\d+ +\d+ +\S+ +cpu +slow [0-9.]+×", text), "%fleet status shows it"
-        assert "restored model, optimizer, rng from 'step-220' at step 220" in text
+        # the straggler is alive: its sharded state is saved first, so the replacement loses no step
+        assert re.search(r"restored model, optimizer, rng from 'recover-\d+' at step 220", text)
         assert "[rank 2] 3 ranks, at step 260" in text
         # the tuner: a table, the fastest applied to the next cell, the trained model untouched
         assert re.search(r"strategy +precision +micro-batch +accum +samples/s +peak memory +result", text)

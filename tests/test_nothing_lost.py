@@ -9,17 +9,11 @@ import time
 
 import pytest
 from conftest import wait_until_gone
+from test_elastic import SETUP  # a small model and its optimizer, prepared
 
 from workbench import CellOptions, DistributedCellError, Fleet, FleetError
 from workbench.checkpoint import layout
 
-SETUP = """
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-model, optimizer = accelerator.prepare(model, optimizer)
-"""
 TRAIN = """
 for _ in range(3):
     accelerator.backward(model(torch.randn(8, 16)).pow(2).mean()); optimizer.step(); optimizer.zero_grad()
@@ -181,7 +175,7 @@ def test_an_interrupt_at_any_phase_of_scale_or_recover_loses_nothing(fleet):
     interrupted, landed = 0, []
     for attempt in range(20):
         target = 2 if fleet.world_size == 3 else 3
-        command = (lambda: fleet.scale(target)) if attempt % 3 else fleet.recover
+        command = (lambda target=target: fleet.scale(target)) if attempt % 3 else fleet.recover
         # the first second holds the phases that are not a cell (checkpoint, teardown, engines,
         # rendezvous); an interrupt during the setup replay is a cell's: ranks that finish it cleanly
         # end it cleanly, and the command completes

@@ -89,9 +89,12 @@ def refuse_if_unfinished(fleet) -> None:
 def _release_busy(fleet, phases: _Phases) -> list[int]:
     """Ranks still inside a call of the interrupted command (a rendezvous, a save, ...) cannot take
     new work: replace them. Their state is in the command's checkpoint, if it took one."""
-    waits = {rank: fleet.client[fleet.engine_ids([rank])].apply_async(os.getpid) for rank in range(fleet.world_size)}
+    registered = set(fleet.client.ids)  # an engine whose start was interrupted may not have registered
+    waits = {rank: fleet.client[engine].apply_async(os.getpid)
+             for rank, engine in enumerate(fleet.engine_ids()) if engine in registered}
     deadline = time.monotonic() + BUSY_WAIT_S
-    busy = [rank for rank, result in waits.items() if not result.wait(max(0.0, deadline - time.monotonic()))]
+    busy = [rank for rank in range(fleet.world_size)
+            if rank not in waits or not waits[rank].wait(max(0.0, deadline - time.monotonic()))]
     if busy:
         phases.run("engines", f"replacing busy rank {','.join(map(str, busy))}", fleet.replace, busy)
     return busy
@@ -302,8 +305,9 @@ def scale(fleet, n: int) -> dict:
     _refuse_resize(fleet, n, f"cannot scale to {n} ranks")
     phases = _Phases(fleet, f"scale {old}→{n}")
     slots = fleet.pool.new_slots(n - old) if n > old else []
-    launched = fleet.pool.launch_cold(slots)  # new engines start while the state is saved
+    launched: dict = {}
     try:
+        launched = fleet.pool.launch_cold(slots)  # new engines start while the state is saved
         tag = phases.run("checkpoint", "checkpoint", fleet.checkpoints.save,
                          tag=f"rescale-{fleet.generation}-{old}to{n}")
     except BaseException:

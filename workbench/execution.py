@@ -63,6 +63,8 @@ class CellInterrupted(KeyboardInterrupt):
         return [*str(self).splitlines(), "KeyboardInterrupt"]
 
 
+CellInterrupted.__name__ = CellInterrupted.__qualname__ = "KeyboardInterrupt"  # what notebook tools and users see
+
 class DistributedCellError(WorkbenchError):
     """One or more ranks raised. Each distinct traceback is shown once."""
 

@@ -113,7 +113,14 @@ class EnginePool:
         env.update(self.slot_environment.get(slot.slot, {}))
         self._set_counter += 1
         set_id = f"slot{slot.slot}-{self._set_counter}"
-        self.processes.cluster.start_engines_sync(n=1, engine_set_id=set_id, environment=env)
+        try:
+            self.processes.cluster.start_engines_sync(n=1, engine_set_id=set_id, environment=env)
+        except BaseException:  # an interrupt half-way: no engine nobody knows of may come up later
+            try:
+                self.processes.stop_engine_set(set_id)
+            except Exception:  # it never got as far as an engine set
+                pass
+            raise
         self.record_pids()  # before it registers: a kill of the kernel now must not orphan it
         return set_id
 
