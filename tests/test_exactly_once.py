@@ -176,6 +176,20 @@ def test_rescale_mid_epoch_trains_every_sample_once(fleet, tmp_path, seed, gener
     assert_exactly_once(path, [2] * first + [middle] * (second - first) + [2] * (stop - second))
 
 
+def test_rescale_to_one_rank_and_back(fleet, tmp_path):
+    """One rank has no sharded sampler (its own batches are the sequence): the rest of the epoch still
+    goes on there, and is dealt out again at 2."""
+    resize(fleet, 2)
+    path = str(tmp_path / "one.jsonl")
+    fresh_start(fleet)
+    train(fleet, 3, 0, path)
+    fleet.scale(1)
+    train(fleet, 30, 1, path)
+    fleet.scale(2)
+    train(fleet, 40, 2, path)
+    assert_exactly_once(path, [2] * 3 + [1] * 27 + [2] * 10)
+
+
 def test_rescale_with_grad_accum_moves_at_optimizer_steps(fleet, tmp_path):
     resize(fleet, 2)
     accum = CellOptions(grad_accum=2)

@@ -65,6 +65,8 @@ def _make_resumable(batch_sampler) -> None:
         def __iter__(self, _original=cls.__iter__):
             local, underlying = self._workbench_skip
             self._workbench_skip = (0, 0)
+            if not hasattr(self, "batch_sampler"):  # not sharded (one rank): its batches are the sequence's
+                local, underlying = local + underlying, 0
             inner = self.batch_sampler if underlying else None
             if underlying:
                 self.batch_sampler = _Skipped(inner, underlying)
