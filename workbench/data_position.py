@@ -167,7 +167,9 @@ class DataPosition:
 
     def iterate(self, batches):
         """Wraps one pass of the loader (accelerate's ``__iter__``)."""
-        world = _world_size()
+        from .rank import STATE
+
+        world = STATE.world_size
         if self.open and self._finished():  # every batch used, the loop just never asked for the end
             self.loader.iteration += 1
             self.open = False
@@ -266,19 +268,15 @@ class _DiesWithItsRank:
             self.inner(worker_id)
 
 
-def _world_size() -> int:
-    from .rank import STATE
-
-    return STATE.spec.world_size if STATE.spec else 1
-
-
 def track(loader) -> None:
     """Give a prepared loader an exact position, and workers that die with their rank
     (``accelerator.prepare`` calls it)."""
     import os
 
+    from .rank import STATE
+
     _install()
-    loader._workbench_position = DataPosition(loader, _world_size())
+    loader._workbench_position = DataPosition(loader, STATE.world_size)
     base = getattr(loader, "base_dataloader", loader)
     if getattr(base, "num_workers", 0) and not isinstance(base.worker_init_fn, _DiesWithItsRank):
         base.worker_init_fn = _DiesWithItsRank(base.worker_init_fn, os.getpid())

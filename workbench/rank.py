@@ -25,6 +25,11 @@ class RankState:
         self.in_user_code = False
         self.memory_limit: int | None = None  # bytes (--memory-limit)
 
+    @property
+    def world_size(self) -> int:
+        """Ranks in the fleet's process group (1 outside a fleet)."""
+        return self.spec.world_size if self.spec else 1
+
     def joined(self, spec, device, pg_sockets: set, group) -> None:
         self.spec, self.device, self.pg_sockets, self.group = spec, device, pg_sockets, group
         self.accelerator = self.accelerator_key = None

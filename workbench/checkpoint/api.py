@@ -358,9 +358,8 @@ def refusals_at(world: int) -> list[str]:
     be resharded, per-rank registered objects. Empty when it can."""
     from ..rank import STATE
 
-    step = 0
     rank = STATE.spec.rank if STATE.spec else 0
-    return CheckpointState(namespace(), rank, step, any_generation=True).live_refusals(world)
+    return CheckpointState(namespace(), rank, step=0, any_generation=True).live_refusals(world)
 
 
 def _check_shapes(template: dict, saved: dict, tag: str) -> None:

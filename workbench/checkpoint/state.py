@@ -89,12 +89,6 @@ def _optimizer_key(name: str, model) -> str:
 PER_RANK_MARK = "@rank"
 
 
-def _world_size() -> int:
-    from ..rank import STATE
-
-    return STATE.spec.world_size if STATE.spec else 1
-
-
 def per_rank_key(key: str, rank: int) -> str:
     """``data/loader`` -> ``data/loader@rank3``: an entry every rank saves with its own value
     (DCP would keep one rank's value for a name that every rank writes)."""
@@ -104,6 +98,11 @@ def per_rank_key(key: str, rank: int) -> str:
 def is_per_rank(key: str) -> bool:
     """Whether a checkpoint entry holds one rank's own value (RNG, a stream's position, ...)."""
     return key.startswith("rng/") or PER_RANK_MARK in key
+
+
+def _name(key: str) -> str:
+    """``data/loader@rank3`` -> ``loader``."""
+    return key.split("/", 1)[1].split(PER_RANK_MARK)[0]
 
 
 def _rank0(key: str) -> str:
@@ -185,10 +184,10 @@ class CheckpointState:
         """Why this checkpoint cannot go on at ``world`` ranks (every rank finds the same)."""
         from ..data_position import refusal
 
-        found = [refusal(key.split("/", 1)[1].split(PER_RANK_MARK)[0], text, world)
+        found = [refusal(_name(key), text, world)
                  for key, text in sorted(loaded_positions.items())]
         if saved_world != world:
-            kept = sorted({k.split("/", 1)[1].split(PER_RANK_MARK)[0] for k in saved_keys
+            kept = sorted({_name(k) for k in saved_keys
                            if k.startswith("user/") and PER_RANK_MARK in k})
             found += [f"registered object {name!r} is per rank (saved by {saved_world} ranks): it cannot be "
                       f"restored into {world} ranks" for name in kept]
@@ -199,8 +198,9 @@ class CheckpointState:
         recover changes anything)."""
         positions = {key: position.state() for key, position in self.positions().values()}
         per_rank = {f"user/{name}{PER_RANK_MARK}{self.rank}" for name, (_, mine) in REGISTERED.items() if mine}
-        saved_world = _world_size()
-        return self.refusals(positions, per_rank, saved_world, world)
+        from ..rank import STATE
+
+        return self.refusals(positions, per_rank, STATE.world_size, world)
 
     def apply(self, loaded: dict) -> list[str]:
         """Put loaded values back into the live objects; return what was restored."""
