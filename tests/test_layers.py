@@ -9,6 +9,7 @@ import sys
 ENGINE_SIDE = [
     "workbench",
     "workbench.engine",
+    "workbench.batch_process",
     "workbench.trials",
     "workbench.rendezvous",
     "workbench.strategies",
@@ -62,7 +63,8 @@ def test_the_kernel_names_still_import_from_the_package():
 
 # The engine side, bottom layer first: a module imports only from its own layer or below.
 LAYERS = [
-    ["workbench.rank", "workbench.errors", "workbench.messages", "workbench.data_position"],
+    ["workbench.rank", "workbench.errors", "workbench.messages", "workbench.data_position",
+     "workbench.batch_process"],
     ["workbench.metrics.comm", "workbench.metrics.gpu", "workbench.metrics.logger", "workbench.metrics"],
     ["workbench.parallel.options", "workbench.parallel.fsdp", "workbench.parallel.hooks", "workbench.parallel.tensor",
      "workbench.parallel.pipeline", "workbench.parallel.model", "workbench.parallel", "workbench.options"],

@@ -59,7 +59,8 @@ def _refuse_unrecovered(fleet) -> None:
 
 
 def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
-            return_value: bool = False, show_output: bool = True, setup: bool = False) -> execution.CellResult:
+            return_value: bool = False, show_output: bool = True, setup: bool = False,
+            show_all_progress: bool = False) -> execution.CellResult:
     """Run ``code`` as a cell on ``ranks`` of ``fleet`` (see ``Fleet.execute``)."""
     chosen = _admit(fleet, options, ranks)
     if setup and ranks is not None and len(chosen) != fleet.world_size:
@@ -72,14 +73,14 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
     args = (code, options.to_dict(), name, return_value, not return_value)
     try:
         result = execution.run_on_ranks(fleet, chosen, engine.run_cell, args, timeout=timeout,
-                                        show_output=show_output, title=name)
+                                        show_output=show_output, title=name, all_progress=show_all_progress)
     except execution.DistributedCellError as exc:
         what = (f"the engine of rank {','.join(map(str, exc.dead))} died" if exc.dead
                 else f"rank {','.join(map(str, exc.hung))} hung")
         if not ((exc.dead or exc.hung) and auto_recover(fleet, f"{what} during the cell", again=True)):
             raise
         return execute(fleet, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
-                       show_output=show_output, setup=setup)
+                       show_output=show_output, setup=setup, show_all_progress=show_all_progress)
     if setup:
         fleet.setup_cells = [c for c in fleet.setup_cells if c[0] != code] + [(code, options)]
     elif ranks is None and not fleet.replaying:

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import ast
 import linecache
+import os
+import runpy
 import sys
 import traceback
 from typing import Any
 
+import IPython
+
+from . import batch_process
 from .messages import CellReply, MetricsMark
 from .metrics.logger import LOGGER
 from .options import CellOptions
@@ -77,6 +82,10 @@ def _failure(exc: BaseException, skip_frames: int) -> CellReply:
     for _ in range(skip_frames):
         if tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
+    exc.__traceback__ = tb = _user_frames(tb)
+    if isinstance(exc, SystemExit):  # exit(n) / sys.exit(n): the rank ends its part as a script would
+        return CellReply(ok=False, ename="SystemExit", evalue=_exit_code(exc), traceback="".join(
+            traceback.format_list(traceback.extract_tb(tb))).rstrip() + f"\nexited with code {_exit_code(exc)}\n")
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     evalue = str(exc)
     if _over_memory_limit(exc):
@@ -84,6 +93,33 @@ def _failure(exc: BaseException, skip_frames: int) -> CellReply:
                 "lower the batch or model size, or raise the limit")
         evalue, text = f"{evalue} [{note}]", f"{text.rstrip()}\nMemoryLimit: {note}\n"
     return CellReply(ok=False, ename=type(exc).__name__, evalue=evalue, traceback=text)
+
+
+_MACHINERY = (os.path.dirname(IPython.__file__), runpy.__file__, "<frozen runpy>", batch_process.__file__)
+
+
+def _user_frames(tb):
+    """``tb`` without the frames of the machinery between a cell and the user's code (IPython's
+    ``%run``, runpy), so that a script's traceback reads as under ``python script.py``."""
+    frames = []
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_MACHINERY):
+            frames.append(tb)
+        tb = tb.tb_next
+    for before, after in zip(frames, frames[1:] + [None]):
+        before.tb_next = after
+    return frames[0] if frames else None
+
+
+def _exit_code(exc: SystemExit) -> str:
+    """A script's exit code as torchrun reports it (``sys.exit("message")`` exits with 1)."""
+    code = exc.code
+    return str(code if isinstance(code, int) else 0 if code is None else f"1 ({code})")
+
+
+def succeeded(exc: BaseException) -> bool:
+    """``sys.exit(0)`` / ``exit()``: the rank's part of the cell ended, without an error."""
+    return isinstance(exc, SystemExit) and exc.code in (0, None)
 
 
 def _over_memory_limit(exc: BaseException) -> bool:
@@ -138,6 +174,8 @@ def run_cell(
             exec(body, ns)
             value = eval(last, ns) if last is not None else None
     except BaseException as exc:  # noqa: BLE001
+        if succeeded(exc):
+            return _with_metrics(CellReply(ok=True, value=None, display=None))
         return _with_metrics(_failure(exc, skip_frames=1))
     result = CellReply(ok=True, value=None, display=None)
     if value is not None:
@@ -158,6 +196,8 @@ def run_function(fn, args: tuple, kwargs: dict, options: dict) -> CellReply:
         with _UserCode():
             value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001
+        if succeeded(exc):
+            return _with_metrics(CellReply(ok=True, value=None, display=None))
         return _with_metrics(_failure(exc, skip_frames=1))
     return _with_metrics(CellReply(ok=True, value=to_cpu(value), display=None))
 
@@ -175,6 +215,7 @@ def _with_metrics(reply: CellReply) -> CellReply:
     reply["metrics"] = MetricsMark(pid=os.getpid(), seq=LOGGER.flush(), cell=LOGGER.cells)
     errors = take_errors()  # every rank has the same failure (DCP is collective); rank 0 reports it once
     reply["notices"] = errors if STATE.spec is not None and STATE.spec.rank == 0 else []
+    reply["notices"] += batch_process.take_notices()  # the same on every rank: the kernel shows it once
     if LOGGER.send_error is not None:  # the sender survived it; say so once
         rank = STATE.spec.rank if STATE.spec is not None else "?"
         reply["notices"].append(f"rank {rank}: the metrics sender skipped a message ({LOGGER.send_error})")
@@ -194,6 +235,7 @@ def call(fn, args: tuple, kwargs: dict) -> CellReply:
 
 def warm() -> None:
     """A spare engine: import what a rank needs now, so that taking a rank is quick."""
+    batch_process.text_progress_bars()  # before accelerate imports tqdm.auto
     import accelerate  # noqa: F401
     import torch._dynamo  # noqa: F401 - FSDP2 and accelerate's prepare import it at first use (0.4 s)
     import torch.distributed  # noqa: F401
@@ -207,6 +249,7 @@ def attach(metrics_address: str, run_dir: str, memory_limit: int | None = None, 
     """Join the fleet run: metrics go to the kernel's collector, checkpoints under ``run_dir``,
     and ``memory_limit`` bytes at most (:func:`limit_memory`)."""
     STATE.run_dir = run_dir
+    batch_process.become_batch_process()
     LOGGER.attach(metrics_address)
     limit_memory(memory_limit, cpu)
 

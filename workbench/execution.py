@@ -86,6 +86,9 @@ class DistributedCellError(WorkbenchError):
         lead = first[0]
         ranks = _ranks([f.rank for f in first if f.traceback == lead.traceback])
         what = f"{lead.ename}: {lead.evalue}"
+        if lead.ename == "SystemExit" and not interrupted:  # exit(n) in the cell or its script, as torchrun says it
+            super().__init__(f"rank {ranks} of {world} exited with code {lead.evalue}")
+            return
         if interrupted:
             what = "interrupted"
         elif timed_out is not None and not primary:
@@ -180,10 +183,11 @@ def _stream_text(ar, attr: str) -> str:
 
 
 def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None, show_output=True,
-                 title: str | None = None) -> CellResult:
+                 title: str | None = None, all_progress: bool = False) -> CellResult:
     """Apply ``function(*args)`` on every rank in ``ranks`` and collect the replies.
 
     ``title``: keep each rank's output in the run's ``logs/rank-<N>.log`` under this header.
+    ``all_progress``: show every rank's progress bars (else the first rank's only).
 
     Raises :class:`DistributedCellError` if any rank failed, and
     ``KeyboardInterrupt`` after an interrupt (once every rank has stopped).
@@ -192,7 +196,7 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     watch = fleet.metrics.watch(show_output)  # before submitting: a quick rank's records can arrive at once
     pending = {r: fleet.pool.view(fleet.member(r).engine_id).apply_async(function, *args) for r in ranks}
     submitted = dict(pending)  # pending loses ranks as they finish; their output stays
-    output = RankOutput(ranks) if show_output else None
+    output = RankOutput(ranks, all_progress=all_progress) if show_output else None
     hang_watch = HangWatch(fleet, ranks, fleet.hang_timeout)
     hangs = []
     shown_outputs = 0

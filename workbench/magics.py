@@ -268,7 +268,7 @@ class WorkbenchMagics(Magics):
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         call = options_from(args, CellCall)
         result = fleet.execute(cell, options_from(args, CellOptions), ranks=call.ranks, timeout=call.timeout,
-                               setup=call.setup)
+                               setup=call.setup, show_all_progress=call.show_all_progress)
         bundle = result.display(result.ranks[0])
         return _RankValue(bundle) if bundle else None
 

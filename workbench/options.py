@@ -155,6 +155,9 @@ class CellCall:
     """stop the cell after S seconds"""
     setup: bool = False
     """record the cell (model, optimizer, data): replayed on every rank after %fleet scale or a recovery"""
+    show_all_progress: bool = False
+    """show every rank's progress bars (tqdm and the like); by default only the first rank's, the
+    others' are in the rank logs"""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,27 @@ def in_kernel() -> bool:
     return shell is not None and hasattr(shell, "kernel")
 
 
+def settle_bars(text: str, keep_bars: bool = True) -> str:
+    """``text`` as a terminal shows it: a line redrawn with ``\\r`` (a progress bar) shows its
+    newest state instead of every state; ``keep_bars=False`` drops such lines (another rank's bars)."""
+    if "\r" not in text:
+        return text
+    shown = []
+    lines = text.split("\n")
+    for number, body in enumerate(lines):
+        end = "\n" if number < len(lines) - 1 else ""
+        body = body.removesuffix("\r")  # a \r\n line end
+        if "\r" not in body:
+            shown.append(body + end)
+            continue
+        if not keep_bars:
+            continue
+        newest = next((part for part in reversed(body.split("\r")) if part), "")
+        if newest.strip():  # a bar cleared with spaces (leave=False) leaves nothing
+            shown.append(newest + end)
+    return "".join(shown)
+
+
 def label_lines(rank: int, text: str, stream: str = "") -> str:
     tag = f"[rank {rank}{' ' + stream if stream else ''}] "
     return "".join(tag + line for line in text.splitlines(True))
@@ -39,8 +60,9 @@ def label_lines(rank: int, text: str, stream: str = "") -> str:
 class RankOutput:
     """Live per-rank output for one cell run."""
 
-    def __init__(self, ranks: list[int], live_blocks: bool | None = None) -> None:
+    def __init__(self, ranks: list[int], live_blocks: bool | None = None, all_progress: bool = False) -> None:
         self.ranks = ranks
+        self.bar_ranks = set(ranks) if all_progress else set(ranks[:1])  # whose progress bars are shown
         self.live_blocks = in_kernel() if live_blocks is None else live_blocks
         self._shown = {r: "" for r in ranks}  # the text each block shows now
         self._printed = {r: [0, 0] for r in ranks}  # text mode: characters printed
@@ -62,6 +84,8 @@ class RankOutput:
     def _update_block(self, rank: int, out: str, err: str, final: bool) -> None:
         if not (out or err):
             return
+        keep = rank in self.bar_ranks
+        out, err = settle_bars(out, keep), settle_bars(err, keep)
         if not final:  # an update resends the whole block: keep it small while the cell runs
             out, err = _tail(out, rank), _tail(err, rank)
         text = label_lines(rank, out) + label_lines(rank, err, "stderr")
@@ -84,9 +108,11 @@ class RankOutput:
             if not final:
                 new = new[: new.rfind("\n") + 1]  # whole lines only while running
             if new:
+                self._printed[rank][index] = done + len(new)
+                new = settle_bars(new, rank in self.bar_ranks)
+            if new:
                 target.write(label_lines(rank, new if new.endswith("\n") else new + "\n", stream))
                 target.flush()
-                self._printed[rank][index] = done + len(new)
 
 
 def _tail(text: str, rank: int) -> str:
