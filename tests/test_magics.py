@@ -264,6 +264,32 @@ def test_failing_cell_raises_in_the_kernel_once_per_traceback(kernel):
     assert reply["status"] == "ok" and "2.0" in kernel.text(messages), text + kernel.text(messages)[-1500:]
 
 
+def test_percent_run_and_progress_bars_in_a_distributed_cell(kernel, tmp_path):
+    """In a real kernel: %run runs the script on every rank (its output and exit code shown), a tqdm
+    bar is one text line in rank 0's live block (no widget), rank 1's bar is not shown."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nprint('job', __name__, sys.argv[1:])\nif sys.argv[1:] == ['fail']:\n"
+                      "    sys.exit(7)\n")
+    reply, messages = kernel.execute(f"%%distributed\n%run {script} a 1")
+    text = kernel.text(messages)
+    assert reply["status"] == "ok", text
+    assert "[rank 0] job __main__ ['a', '1']" in text and "[rank 1] job __main__ ['a', '1']" in text
+    reply, messages = kernel.execute(f"%%distributed\n%run {script} fail")
+    assert reply["status"] == "error" and "rank 0,1 of 2 exited with code 7" in kernel.text(messages)
+
+    reply, messages = kernel.execute("%%distributed\nfrom tqdm.auto import tqdm\nimport time\n"
+                                     "for _ in tqdm(range(20), desc=f'bar{rank}', mininterval=0):\n"
+                                     "    time.sleep(0.05)")
+    assert reply["status"] == "ok"
+    assert not [m for _, m in messages if "application/vnd.jupyter.widget-view+json" in
+                m["content"].get("data", {})], "no widget: a rank is a batch process"
+    blocks = [m["content"]["data"]["text/plain"] for _, m in messages
+              if m["msg_type"] in ("display_data", "update_display_data")]
+    assert re.search(r"\[rank 0 stderr\] bar0: 100%\|[^\n]*\| 20/20", blocks[-1] if blocks else ""), blocks
+    assert all(block.count("bar0") <= 1 for block in blocks), "a bar is redrawn in place, never stacked"
+    assert not any("bar1" in block for block in blocks)
+
+
 def test_interrupting_the_kernel_stops_every_rank(kernel):
     reply, messages = kernel.execute(
         "%%distributed\nimport time\nif rank == 1:\n    time.sleep(120)\ndist.all_reduce(torch.ones(1))",

@@ -95,3 +95,7 @@ def test_notebook_runs_headless(path, tmp_path):
         assert "scale 2→3: done" in text and "[rank 2] loss" in text and "at step 70 on 3 ranks" in text
         assert "recover: done" in text and "[rank 1] after recovery: loss" in text and "at step 100 on 3 ranks" in text
         assert "[rank 0] Trainer: 20 steps on 3 ranks, mean loss" in text
+        # text progress bars (datasets.map, the Trainer's) at their last state, rank 0's only; the loss lines
+        assert re.search(r"\[rank 0 stderr\] Map: 100%\|[^\n]*\|", text) and "[rank 1 stderr] Map" not in text
+        assert re.search(r"\[rank 0 stderr\] 100%\|[^\n]*\| 20/20", text)
+        assert len(re.findall(r"\[rank 0\] \{'loss': '[0-9.]+'", text)) == 4

@@ -12,11 +12,15 @@ when the engine joins a fleet run (before any user code imports those libraries)
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import shlex
 import sys
 
+from .messages import REDRAW_MARK
 from .rank import STATE
+
+_CARRIAGE_RETURN = re.compile(r"\r(?!\n)")  # not a \r\n line end
 
 NOTICES: list[str] = []  # one-line notices for the kernel, sent with the cell's reply
 _JOINED_NOTICE_SENT = False
@@ -56,6 +60,7 @@ def become_batch_process() -> None:
         shell.user_ns["exit"] = shell.user_ns["quit"] = builtins.exit
         shell.register_magic_function(run_script, "line", "run")
     text_progress_bars()
+    _mark_redraws()
     _join_instead_of_init()
 
 
@@ -106,6 +111,23 @@ def _usage_error() -> Exception:
 
     return OptionsError("%run on a rank takes a script and its arguments (%run train.py --epochs 3) or "
                         "-m module ARGS; IPython's own %run options (-i, -t, -d, ...) do not apply on ranks")
+
+
+def _mark_redraws() -> None:
+    """Mark each carriage return this rank writes (:data:`~workbench.messages.REDRAW_MARK`), so that
+    the kernel shows a progress bar's newest state, and another rank's bars only when asked."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "_workbench_marks_redraws", False):
+            continue
+        write = stream.write
+
+        def marked(text, _write=write):
+            if isinstance(text, str) and "\r" in text:
+                text = _CARRIAGE_RETURN.sub("\r" + REDRAW_MARK, text)
+            return _write(text)
+
+        stream.write = marked
+        stream._workbench_marks_redraws = True
 
 
 def _join_instead_of_init() -> None:

@@ -84,8 +84,8 @@ def _failure(exc: BaseException, skip_frames: int) -> CellReply:
             tb = tb.tb_next
     exc.__traceback__ = tb = _user_frames(tb)
     if isinstance(exc, SystemExit):  # exit(n) / sys.exit(n): the rank ends its part as a script would
-        return CellReply(ok=False, ename="SystemExit", evalue=_exit_code(exc), traceback="".join(
-            traceback.format_list(traceback.extract_tb(tb))).rstrip() + f"\nexited with code {_exit_code(exc)}\n")
+        where = "".join(traceback.format_list(traceback.extract_tb(tb)))  # where it exited, no exception line
+        return CellReply(ok=False, ename="SystemExit", evalue=_exit_code(exc), traceback=where)
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     evalue = str(exc)
     if _over_memory_limit(exc):

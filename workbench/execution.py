@@ -111,7 +111,10 @@ class DistributedCellError(WorkbenchError):
             return self._lost_report()
         lines = []
         for ranks, failure in self.groups():
-            lines.append(f"── {failure.ename} on rank {_ranks(ranks)} of {self.world} ──")
+            if failure.ename == "SystemExit":
+                lines.append(f"── rank {_ranks(ranks)} of {self.world} exited with code {failure.evalue} ──")
+            else:
+                lines.append(f"── {failure.ename} on rank {_ranks(ranks)} of {self.world} ──")
             lines.append(failure.traceback.rstrip() or f"{failure.ename}: {failure.evalue}")
         stopped = [f for f in self.failures if f.stopped]
         if stopped:

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
+REDRAW_MARK = "\u2060"
+"""Written after each carriage return on a rank (an invisible word joiner): the line is a progress
+bar redrawn in place. ipyparallel keeps only what follows a line's last ``\\r``, so without it the
+kernel could not tell a bar's final state from a printed line."""
+
 
 class MetricsMark(TypedDict):
     """How far a rank's metrics got when its cell ended: the kernel waits for record ``seq``."""

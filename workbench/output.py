@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 import time
 
+from .messages import REDRAW_MARK
+
 REFRESH_S = 0.1
 LIVE_TAIL_CHARS = 8_000  # while a cell runs, a rank's block shows its last lines (each update resends the block)
 
@@ -34,19 +36,19 @@ def in_kernel() -> bool:
 def settle_bars(text: str, keep_bars: bool = True) -> str:
     """``text`` as a terminal shows it: a line redrawn with ``\\r`` (a progress bar) shows its
     newest state instead of every state; ``keep_bars=False`` drops such lines (another rank's bars)."""
-    if "\r" not in text:
+    if "\r" not in text and REDRAW_MARK not in text:
         return text
     shown = []
     lines = text.split("\n")
     for number, body in enumerate(lines):
         end = "\n" if number < len(lines) - 1 else ""
         body = body.removesuffix("\r")  # a \r\n line end
-        if "\r" not in body:
+        if "\r" not in body and REDRAW_MARK not in body:
             shown.append(body + end)
             continue
         if not keep_bars:
             continue
-        newest = next((part for part in reversed(body.split("\r")) if part), "")
+        newest = next((part for part in reversed(body.split("\r")) if part), "").replace(REDRAW_MARK, "")
         if newest.strip():  # a bar cleared with spaces (leave=False) leaves nothing
             shown.append(newest + end)
     return "".join(shown)

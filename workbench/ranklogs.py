@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import time
 
+from .output import settle_bars
+
 LOGS = "logs"
 
 
@@ -31,6 +33,7 @@ class RankLogs:
         """Append the ``(stdout, stderr)`` of a cell on each rank."""
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         for rank, (out, err) in texts.items():
+            out, err = settle_bars(out), settle_bars(err)
             parts = [f"── {title} · {stamp} ──\n", _ended(out)]
             if err:
                 parts += ["── stderr ──\n", _ended(err)]
