@@ -112,6 +112,37 @@ def test_owner_killed_while_engines_start_leaves_nothing_behind(tmp_path):
     assert started, "the kill landed while the fleet's processes were starting"
 
 
+def test_killing_the_reaper_and_then_the_owner_leaves_nothing_behind(tmp_path):
+    """Was: 13 processes and the runtime folder left (no second line of defence). Now the engine
+    template, whose parent is the owner, cleans up when the owner is gone and the reaper is too."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import fleet_processes
+
+    before = {p.pid for p in fleet_processes()}
+    script = tmp_path / "owner.py"
+    script.write_text("from workbench import Fleet\nf = Fleet(n=2, progress=False, wandb=False).start()\n"
+                      "print(f.processes.runtime_dir, flush=True)\nimport time\ntime.sleep(120)\n")
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    runtime_dir = owner.stdout.readline().strip()
+    assert os.path.isdir(runtime_dir)
+    started = [p for p in fleet_processes() if p.pid not in before]
+    reapers = [p for p in started if "workbench.reaper" in " ".join(p.cmdline())]
+    assert len(reapers) == 1 and len(started) >= 5, [" ".join(p.cmdline())[:80] for p in started]
+    reapers[0].kill()
+    assert wait_until_gone([reapers[0].pid], timeout=5) == []
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 20
+    while [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [" ".join(p.cmdline())[:80] for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], left
+    assert not os.path.exists(runtime_dir)
+
+
 def test_killed_controller_leaves_no_scheduler_behind():
     fleet = Fleet(n=2, progress=False, wandb=False).start()
     controller = psutil.Process(fleet.processes.cluster.controller.pid)

@@ -14,8 +14,6 @@ import sys
 import traceback
 from typing import Any
 
-import IPython
-
 from . import batch_process
 from .messages import CellReply, MetricsMark
 from .metrics.logger import LOGGER
@@ -95,7 +93,8 @@ def _failure(exc: BaseException, skip_frames: int) -> CellReply:
     return CellReply(ok=False, ename=type(exc).__name__, evalue=evalue, traceback=text)
 
 
-_MACHINERY = (os.path.dirname(IPython.__file__), runpy.__file__, "<frozen runpy>", batch_process.__file__)
+_MACHINERY = (runpy.__file__, "<frozen runpy>", batch_process.__file__)
+_IPYTHON = f"{os.sep}IPython{os.sep}"
 
 
 def _user_frames(tb):
@@ -103,7 +102,8 @@ def _user_frames(tb):
     ``%run``, runpy), so that a script's traceback reads as under ``python script.py``."""
     frames = []
     while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith(_MACHINERY):
+        filename = tb.tb_frame.f_code.co_filename
+        if not (filename.startswith(_MACHINERY) or _IPYTHON in filename):
             frames.append(tb)
         tb = tb.tb_next
     for before, after in zip(frames, frames[1:] + [None]):

@@ -136,10 +136,10 @@ class PanelConnection:
         metrics = _fleet_and_metrics()[1]
         if metrics is None:
             return
-        records = metrics.store.records
+        store = metrics.store
         if metrics.run_id != self.run:
-            self.run, self.sent_records = metrics.run_id, max(0, len(records) - HISTORY)
-        new = records[self.sent_records:len(records)]
+            self.run, self.sent_records = metrics.run_id, max(0, len(store) - HISTORY)
+        new = store.since(self.sent_records)
         if new:
             self.comm.send({"type": "metrics", "run": self.run, "points": _points(new)})
             self.sent_records += len(new)

@@ -56,7 +56,9 @@ def _fleet_processes(pids: list[int]) -> list[psutil.Process]:
 
 
 def kill_all(runtime_dir: str) -> None:
-    procs = _fleet_processes(_read_pids(runtime_dir))
+    """Kill every recorded process of the fleet (and their children), except the caller, and
+    remove the runtime folder."""
+    procs = [p for p in _fleet_processes(_read_pids(runtime_dir)) if p.pid != os.getpid()]
     for proc in procs:
         try:
             proc.kill()

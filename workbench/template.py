@@ -13,7 +13,8 @@ second. The template never touches CUDA: a child picks its GPU
 The template reaps its children and writes each one's exit status to
 ``RUNTIME_DIR/exits/PID`` (a negative number is the signal that ended it), so
 death reports can still name the signal. It exits when its socket file is
-removed or its parent (the kernel) is gone.
+removed or its parent (the kernel) is gone; in that case, if the runtime folder is still
+there (the reaper was killed too), it kills the fleet's processes itself.
 """
 
 from __future__ import annotations
@@ -207,6 +208,11 @@ def main(runtime_dir: str) -> None:
         _serve(listener, path, exits_dir, parent)
     finally:
         listener.close()
+    if os.getppid() != parent and os.path.isdir(runtime_dir):
+        # the kernel died and the reaper did not clean up (it was killed too): the second line
+        from .reaper import kill_all
+
+        kill_all(runtime_dir)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ class MetricsCollector:
         import zmq
 
         self.run_dir = run_dir
-        self.store = MetricsStore()
-        self.sinks = [JsonlSink(os.path.join(run_dir, "metrics.jsonl")), *(sinks or [])]
+        jsonl = os.path.join(run_dir, "metrics.jsonl")
+        self.store = MetricsStore(spill_path=jsonl)
+        self.sinks = [JsonlSink(jsonl), *(sinks or [])]
         self.errors: list[str] = []
         self._paused_notices: list[str] = []
         self._context = zmq.Context()

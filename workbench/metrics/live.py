@@ -14,6 +14,7 @@ import sys
 from ..output import in_kernel
 from .collector import MetricsCollector
 from .summary import summary_text
+from .store import WINDOW
 from .tensorboard_sink import TensorBoardSink, tensorboard_available
 from .wandb_sink import WandbSink, wandb_enabled
 
@@ -68,7 +69,13 @@ class FleetMetrics:
         }, raw=True)
 
     def summary(self, first_record: int = 0) -> str:
-        return summary_text(self.store.since(first_record), self.run_id, self.store.dropped())
+        """The summary of the records from ``first_record`` on (the newest WINDOW of them, saying so)."""
+        start = max(first_record, len(self.store) - WINDOW)
+        text = summary_text(self.store.since(start), self.run_id, self.store.dropped())
+        if start > first_record:
+            text += (f"\n(over the newest {WINDOW:,} of {len(self.store) - first_record:,} records; "
+                     "all are in metrics.jsonl)")
+        return text
 
     def watch(self, show_output: bool) -> "CellWatch":
         return CellWatch(self, show_output)

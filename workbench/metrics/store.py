@@ -1,13 +1,21 @@
-"""Kernel side: every record of a fleet run, per rank, in arrival order."""
+"""Kernel side: every record of a fleet run, per rank, in arrival order.
+
+The newest records stay in memory (a bounded window); older ones are read back from the run's
+``metrics.jsonl`` (one line a record, in the same order) when a summary reaches back that far, so
+a day-long run's kernel holds :data:`WINDOW` records at most.
+"""
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import threading
 from dataclasses import dataclass, field
 
 from ..messages import MetricsMessage
 
+WINDOW = 100_000  # records kept in memory (about 1 KiB each)
 SYSTEM_FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "comm_s", "rss_mb", "cuda_max_mb",
                  "gpu_util_pct", "gpu_mem_used_mb")
 
@@ -61,13 +69,19 @@ class RankStream:
 
 @dataclass
 class MetricsStore:
-    records: list[Record] = field(default_factory=list)
+    """Records by arrival index (0 = the run's first); ``spill_path``: the run's metrics.jsonl,
+    where records older than the window are read back from."""
+
+    spill_path: str | None = None
+    window: int = WINDOW
     streams: dict[int, RankStream] = field(default_factory=dict)
     cells_done: dict[int, int] = field(default_factory=dict)  # engine pid -> the cell counter of its last reply
     seq_by_pid: dict[int, int] = field(default_factory=dict)  # engine pid -> its last record that arrived
 
     def __post_init__(self) -> None:
         self.changed = threading.Condition()
+        self._recent: list[Record] = []
+        self._first = 0  # the arrival index of _recent[0]
 
     def add(self, message: MetricsMessage, arrived: float) -> list[Record]:
         """Add one sender message; return its records."""
@@ -94,7 +108,11 @@ class MetricsStore:
                 stream.beat_at, stream.stalled_s, stream.stack = arrived, beat["stalled_s"], beat["stack"]
                 stream.cell, stream.busy = beat["cell"], bool(beat.get("busy"))
                 stream.waiting_in, stream.waiting_s = beat.get("waiting_in"), beat.get("waiting_s")
-            self.records.extend(new)
+            self._recent.extend(new)
+            if len(self._recent) > self.window + self.window // 2:  # trim now and then, not every add
+                cut = len(self._recent) - self.window
+                del self._recent[:cut]
+                self._first += cut
             self.changed.notify_all()
         return new
 
@@ -109,12 +127,34 @@ class MetricsStore:
         with self.changed:
             return self.changed.wait_for(arrived, timeout)
 
-    def since(self, start: int) -> list[Record]:
+    def since(self, start: int, limit: int | None = None) -> list[Record]:
+        """The records from arrival index ``start`` on, ``limit`` at most (those older than the
+        window are read from disk: keep ``start`` within the window, or set a limit)."""
         with self.changed:
-            return self.records[start:]
+            first = self._first
+            stop = len(self) if limit is None else min(len(self), start + limit)
+            recent = self._recent[max(0, start - first):max(0, stop - first)]
+        return (self._read_back(start, min(first, stop)) if start < first else []) + recent
+
+    def _read_back(self, start: int, stop: int) -> list[Record]:
+        if self.spill_path is None:
+            return []
+        try:
+            with open(self.spill_path) as f:
+                lines = list(itertools.islice(f, start, stop))
+        except OSError:
+            return []
+        records = []
+        for line in lines:
+            try:
+                r = json.loads(line)
+                records.append(Record(r["time"], r["time"], r["rank"], r["step"], r["scalars"], r["system"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a full disk
+        return records
 
     def __len__(self) -> int:
-        return len(self.records)
+        return self._first + len(self._recent)
 
     def dropped(self) -> int:
         return sum(s.dropped + s.lost for s in self.streams.values())
