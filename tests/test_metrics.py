@@ -117,7 +117,7 @@ def test_short_ddp_steps_carry_ddps_communication_time_every_20_ms(fleet):
         records = [r for r in _cell_records(fleet, start) if r.rank == rank]
         assert len(records) == 60 and "comm_s" in records[0].system
         read = [i for i, r in enumerate(records) if "comm_s" in r.system]
-        for before, after in zip(read, read[1:]):
+        for before, after in zip(read, read[1:], strict=False):
             between = [r.system["step_time_s"] for r in records[before + 1:after + 1]]
             assert sum(between) > DDP_READ_EVERY_S - 1e-9 and sum(between[:-1]) < DDP_READ_EVERY_S + 1e-9, between
         assert sum(r.system["step_time_s"] for r in records[read[-1] + 1:]) < DDP_READ_EVERY_S + 1e-9

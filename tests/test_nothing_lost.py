@@ -209,3 +209,31 @@ def test_push_and_pull_of_what_cannot_travel_is_one_line(fleet):
     with pytest.raises(FleetError, match="rank 0: 'held' cannot be copied to the kernel: .*pickle"):
         fleet.pull("held")
     assert fleet.run("1 + 1", show_output=False) == [2] * fleet.world_size
+
+
+def test_stop_from_another_thread_ends_the_running_cell_in_one_line():
+    """Was: the running cell got a raw IndexError (or OSError: bad file descriptor) after 12-20 s
+    and stop() returned after 30 s. Now the cell stops its ranks and says why; stop() goes on."""
+    import threading
+
+    import psutil
+
+    other = Fleet(n=2, progress=False, wandb=False).start()
+    pids = [m.pid for m in other.members]
+    took = {}
+
+    def stop_soon():
+        time.sleep(2)
+        started = time.monotonic()
+        other.stop()
+        took["stop"] = time.monotonic() - started
+
+    stopper = threading.Thread(target=stop_soon)
+    stopper.start()
+    started = time.monotonic()
+    with pytest.raises(FleetError, match=r"^the fleet was stopped from another thread while this cell ran"):
+        other.run("import time\ntime.sleep(60)", show_output=False)
+    assert time.monotonic() - started < 15
+    stopper.join(60)
+    assert took["stop"] < 20, took
+    assert wait_until_gone(pids) == [], [psutil.Process(p).cmdline() for p in pids if psutil.pid_exists(p)]

@@ -106,7 +106,7 @@ def _user_frames(tb):
         if not (filename.startswith(_MACHINERY) or _IPYTHON in filename):
             frames.append(tb)
         tb = tb.tb_next
-    for before, after in zip(frames, frames[1:] + [None]):
+    for before, after in zip(frames, frames[1:] + [None], strict=True):
         before.tb_next = after
     return frames[0] if frames else None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -193,8 +194,17 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     ``all_progress``: show every rank's progress bars (else the first rank's only).
 
     Raises :class:`DistributedCellError` if any rank failed, and
-    ``KeyboardInterrupt`` after an interrupt (once every rank has stopped).
+    ``KeyboardInterrupt`` after an interrupt (once every rank has stopped). ``Fleet.stop()``
+    from another thread stops the ranks the same way, then this raises a one-line FleetError.
     """
+    previous, fleet.cell_thread = fleet.cell_thread, threading.get_ident()
+    try:
+        return _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all_progress)
+    finally:
+        fleet.cell_thread = previous
+
+
+def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all_progress) -> CellResult:
     started = time.monotonic()
     watch = fleet.metrics.watch(show_output)  # before submitting: a quick rank's records can arrive at once
     pending = {r: fleet.pool.view(fleet.member(r).engine_id).apply_async(function, *args) for r in ranks}
@@ -253,6 +263,8 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                     failures.append(RankFailure(rank, reply["ename"], reply["evalue"], ""))
                     if stopper is None:
                         stopper, failed_at = _Stopper("failure", now), time.time()
+            if fleet.stop_requested.is_set() and stopper is None:  # Fleet.stop() from another thread
+                interrupted, stopper = True, _Stopper("interrupt", now)
             if timeout is not None and stopper is None and now - started > timeout:
                 timed_out = True
                 stopper = _Stopper("timeout", now)
@@ -280,6 +292,11 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
                 stopper = _Stopper("interrupt", time.monotonic())
             else:
                 stopper.hurry()
+    if fleet.stop_requested.is_set():
+        from .errors import FleetError
+
+        raise FleetError("the fleet was stopped from another thread while this cell ran (Fleet.stop()); "
+                         "every rank was stopped")
     logged = title is not None and fleet.rank_logs is not None
     if output is not None or logged:  # the rank logs keep the output even when it is not shown
         _wait_for_output(submitted, result.replies)

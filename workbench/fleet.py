@@ -16,6 +16,7 @@ Its options are :class:`workbench.options.FleetOptions` (the same as ``%fleet st
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -36,6 +37,7 @@ from .ranklogs import RankLogs
 from .runs import new_run_dir
 
 SAVE_WAIT_S = 120.0  # how long stop() waits for a background save to commit
+CELL_STOP_WAIT_S = 30.0  # how long stop() from another thread waits for the running cell to stop its ranks
 
 if TYPE_CHECKING:
     from .execution import CellResult
@@ -60,6 +62,8 @@ class Fleet:
         gpus = parse_gpu_list(options.gpus) if isinstance(options.gpus, str) else options.gpus
         self.launcher = LauncherSpec(options.launcher, options.batch_options(), options.launcher_config)
         self.attached = options.attached  # an ipcluster that is not ours
+        self.cell_thread: int | None = None  # the thread running a cell on the ranks now
+        self.stop_requested = threading.Event()  # stop() from another thread: that cell stops its ranks
         if self.launcher.name != "local" or self.attached:
             slots = [EngineSlot(i) for i in range(options.n or 0)]
             self.device_type = "cuda" if options.backend == "nccl" else "cpu"
@@ -129,6 +133,7 @@ class Fleet:
         """Start the controller and engines, then join them in a process group."""
         if self.running:
             raise FleetError("this fleet is already running; use it, or stop it first with %fleet stop")
+        self.stop_requested.clear()
         started = time.monotonic()
         progress = ProgressLine(self.progress)
         try:
@@ -169,6 +174,11 @@ class Fleet:
     def stop(self) -> None:
         """Stop every engine and the controller; nothing is left running (an attached
         ipcluster keeps its engines: they only leave the process group)."""
+        if self.cell_thread not in (None, threading.get_ident()):
+            self.stop_requested.set()  # the cell's thread stops its ranks (SIGINT, then kill), then we go on
+            deadline = time.monotonic() + CELL_STOP_WAIT_S
+            while self.cell_thread is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
         client = self.pool.client
         pids = [m.pid for m in self.pool.members + self.pool.spares]
         if client is not None and self.pool.members:

@@ -13,6 +13,7 @@ import time
 from .. import engine, execution
 from ..errors import CheckpointError
 from . import api, layout, replica
+from .failures import OS_REASONS
 
 
 class Checkpoints:
@@ -30,9 +31,9 @@ class Checkpoints:
         try:
             result = execution.run_on_ranks(self.fleet, ranks, engine.call, (fn, args, kwargs), show_output=False)
         except execution.DistributedCellError as exc:
-            reasons = {f.evalue for f in exc.failures if not f.stopped}
-            if all(f.ename == "CheckpointError" for f in exc.failures if not f.stopped) and len(reasons) == 1:
-                raise CheckpointError(reasons.pop()) from None  # the same one-line reason on every rank
+            primary = [f for f in exc.failures if not f.stopped]
+            if primary and all(f.ename == "CheckpointError" for f in primary):
+                raise CheckpointError(_one_reason([f.evalue for f in primary])) from None
             raise
         return result.values()
 
@@ -85,6 +86,12 @@ class Checkpoints:
             rows.append([m.tag, str(m.step), str(m.world_size), m.strategy, _size(m.size), when, "complete"])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _one_reason(reasons: list[str]) -> str:
+    """One line for a save or load that failed on several ranks, each in its own words (a full
+    disk is ENOSPC on one rank and a broken peer on another): the OS reason if a rank has one."""
+    return next((r for r in reasons if any(os_reason in r for os_reason in OS_REASONS)), reasons[0])
 
 
 def _size(n: int) -> str:

@@ -13,8 +13,8 @@ import sys
 
 from ..output import in_kernel
 from .collector import MetricsCollector
-from .summary import summary_text
 from .store import WINDOW
+from .summary import summary_text
 from .tensorboard_sink import TensorBoardSink, tensorboard_available
 from .wandb_sink import WandbSink, wandb_enabled
 
