@@ -13,6 +13,7 @@ from test_elastic import SETUP  # a small model and its optimizer, prepared
 
 from workbench import CellOptions, DistributedCellError, Fleet, FleetError
 from workbench.checkpoint import layout
+from workbench.testing import interrupted_after
 
 TRAIN = """
 for _ in range(3):
@@ -135,26 +136,6 @@ def test_interrupts_show_one_report_end_clean_loops_and_spare_the_engine_templat
         kernel.shutdown()
 
 
-def _interrupted(command, delay: float) -> bool:
-    """Run ``command`` with a SIGINT to this process (the kernel's main thread: Jupyter's stop
-    button) after ``delay`` seconds; True if the interrupt reached it."""
-    import signal
-    import threading
-
-    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-    try:
-        timer.start()
-        try:
-            command()
-        finally:
-            timer.cancel()
-            timer.join()
-            time.sleep(0.05)  # a signal sent just before the join is raised here
-        return False
-    except KeyboardInterrupt:
-        return True
-
-
 def test_an_interrupt_at_any_phase_of_scale_or_recover_loses_nothing(fleet):
     """Was: ranks left without a group while status said idle, empty ranks accepted cells, and the
     next scale 'restored' the initial weights at step 5; an interrupted recover left a smaller
@@ -179,7 +160,7 @@ def test_an_interrupt_at_any_phase_of_scale_or_recover_loses_nothing(fleet):
         # the first ~0.6 s hold the phases that are not a cell (checkpoint, teardown, engines,
         # rendezvous) on an idle machine; an interrupt during the setup replay is a cell's: ranks
         # that finish it cleanly end it cleanly, and the command completes
-        if _interrupted(command, rng.uniform(0.0, 0.6)):
+        if interrupted_after(command, rng.uniform(0.0, 0.6)):
             interrupted += 1
             landed.append(fleet.unfinished.phases.current if fleet.unfinished is not None else "before changing")
             if fleet.unfinished is not None:

@@ -75,6 +75,23 @@ def kill_rank_during_save(fleet, victim: int, gate: str, tag: str | None = None)
     return outcome.get("error")
 
 
+def interrupted_after(command, delay: float) -> bool:
+    """Run ``command`` with a SIGINT to this process (the kernel's main thread: Jupyter's stop
+    button) after ``delay`` seconds; True if the interrupt reached it."""
+    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        try:
+            command()
+        finally:
+            timer.cancel()
+            timer.join()
+            time.sleep(0.05)  # a signal sent just before the join is raised here
+        return False
+    except KeyboardInterrupt:
+        return True
+
+
 class BusyMachine:
     """``n`` processes spinning on the CPU, as on a shared CI runner or a laptop compiling in the
     background; they are killed when the block ends (``with BusyMachine(12): ...``)."""
