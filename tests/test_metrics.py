@@ -257,6 +257,58 @@ def test_summary_text_for_headless_runs(fleet, capsys):
     assert "steps/s" in out and "comm ms" in out
 
 
+def test_summary_throughput_is_samples_over_the_time_the_steps_took_by_hand(fleet, capsys):
+    """Was: the mean of each step's own rate (a few short steps dominate: 7x too high in the
+    quickstart) and a step time that included the slow first step. Now computed here by hand from
+    metrics.jsonl: per rank sum(samples) / sum(step times) of every step but the first, which is
+    shown apart; the fleet's row is the sum over ranks."""
+    import json
+
+    first = len(fleet.metrics.store)
+    fleet.run("import time\nfor i in range(12):\n    time.sleep(0.3 if i == 0 else 0.002 if i % 2 else 0.03)\n"
+              "    workbench.log(loss=1.0, samples=32)", show_output=False)
+    fleet.metrics.collector.flush()
+    with open(fleet.metrics.jsonl_path) as f:
+        lines = [json.loads(line) for line in f][first:]
+    text = fleet.metrics.summary(first)
+    table = {row.split()[0]: row.split() for row in text.splitlines()[text.splitlines().index(
+        next(line for line in text.splitlines() if line.startswith("rank  records"))) + 1:]}
+    header = next(line for line in text.splitlines() if line.startswith("rank  records")).split("  ")
+    assert [h.strip() for h in header if h.strip()][:7] == ["rank", "records", "steps/s", "step ms", "first step ms",
+                                                            "comm ms", "samples/s"]
+    fleet_rate = 0.0
+    for rank in (0, 1):
+        mine = [r for r in lines if r["rank"] == rank]
+        steady = mine[1:]
+        took = sum(r["system"]["step_time_s"] for r in steady)
+        by_hand = 32 * len(steady) / took
+        fleet_rate += by_hand
+        row = table[str(rank)]
+        assert float(row[6]) == pytest.approx(by_hand, rel=1e-3), (row, by_hand)
+        assert float(row[3]) == pytest.approx(took / len(steady) * 1e3, rel=1e-3)
+        assert float(row[4]) == pytest.approx(mine[0]["system"]["step_time_s"] * 1e3, rel=1e-3)
+        assert float(row[4]) >= 300, "the first step (0.3 s) is shown apart"
+        naive = sum(r["system"]["samples_per_s"] for r in steady) / len(steady)
+        assert naive > 2 * by_hand, "the old mean of rates was far off here"
+    assert float(table["all"][6]) == pytest.approx(fleet_rate, rel=1e-3)
+
+
+def test_a_progress_total_belongs_to_its_cell_and_the_whole_run_counts_every_record(fleet):
+    """Was: "step 200/150", full and green, in a later cell (the total carried over), and %metrics
+    said "whole run · 100 records" for a run of 400 (it counted the last cell)."""
+    from workbench.metrics.dashboard import Dashboard
+
+    fleet.run("workbench.progress(total=workbench.step + 3)\nfor i in range(3):\n    workbench.log(loss=1.0)",
+              show_output=False)
+    assert {fleet.metrics.store.streams[r].total for r in (0, 1)} == {fleet.run("workbench.step")[0]}
+    fleet.run("for i in range(4):\n    workbench.log(loss=1.0)", show_output=False)
+    assert {fleet.metrics.store.streams[r].total for r in (0, 1)} == {None}
+    whole = Dashboard(fleet.metrics.store, fleet.metrics.run_id)
+    whole.cell_started(len(fleet.metrics.store) - 8)  # %metrics shown while the last cell ran
+    whole.refresh(force=True)
+    assert f"whole run · 2 ranks · {len(fleet.metrics.store)} records" in whole.header.value
+
+
 def test_steps_per_second_over_several_cells_leaves_out_the_idle_time_between_them(fleet):
     from workbench.metrics.summary import steps_per_second
 

@@ -77,7 +77,7 @@ def test_notebook_runs_headless(path, tmp_path):
     if path.name == "05_parallelism.ipynb":
         losses = [float(x) for x in re.findall(r"loss after 30 steps: ([0-9.]+)", text)]
         assert len(losses) == 3 and max(losses) / min(losses) < 1.1, "hooks train like plain DDP"
-        assert re.search(r"rank +records +steps/s +step ms +comm ms", text)
+        assert re.search(r"rank +records +steps/s +step ms +first step ms +comm ms +samples/s", text)
         tp = re.search(r"TP: q shard \(16, 32\) of \(32, 32\); loss ([0-9.]+) vs one process ([0-9.]+)", text)
         assert tp and abs(float(tp[1]) - float(tp[2])) < 1e-5
         for stage in re.findall(r"PP stage \d: .*?loss ([0-9.]+) vs one process ([0-9.]+)", text):

@@ -130,6 +130,7 @@ class Dashboard:
         self.run_id = run_id
         self.what = "whole run" if first_record == 0 else "this cell"
         self._seen = first_record
+        self._first = first_record
         self._cell_start = first_record
         self._scalars: dict[str, dict[int, tuple[list, list]]] = defaultdict(dict)
         self._system: dict[str, dict[int, tuple[list, list]]] = defaultdict(dict)
@@ -226,10 +227,10 @@ class Dashboard:
             bar.max = max(total or done, 1)
             bar.value = min(done, bar.max)
             bar.bar_style = "warning" if rank in slow else "success" if total and done >= total else "info"
-        steps = sum(len(r) for r in cell.values())
+        records = len(self.store) - self._first  # the whole run's, or this cell's: not the last cell's
         dropped = self.store.dropped()
         self.header.value = (f"<b>workbench</b> run <code>{self.run_id}</code> · {self.what} · {len(cell)} ranks · "
-                             f"{steps} records" + (f" · <b>{dropped} dropped</b>" if dropped else ""))
+                             f"{records} records" + (f" · <b>{dropped} dropped</b>" if dropped else ""))
 
     def curve(self, name: str, rank: int) -> tuple[list, list]:
         """The (steps, values) the scalar plot shows for ``rank`` (for tests and scripts)."""

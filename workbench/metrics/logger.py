@@ -73,6 +73,7 @@ class MetricsLogger:
         self._interval_start = time.perf_counter()
         self._cell_activity = self.activity + self.comm.launched
         self.cells += 1
+        self.total = None  # workbench.progress(total=) belongs to the cell that set it
         self._samples = 0
         self._stepped: dict | None = None  # measurements of an optimizer step not yet logged
         self.comm.restart()

@@ -29,6 +29,25 @@ def steps_per_second(records: list[Record]) -> float | None:
     return len(records) / busy if busy > 0 else None
 
 
+def rate(records: list[Record], key: str, scale: float = 1.0) -> float | None:
+    """A per-step rate (``samples_per_s``, ``tokens_per_s``, ``mfu``) over ``records``: what the
+    steps did ÷ the time they took, i.e. each step's rate weighted by its step time (a plain mean
+    of rates lets a few very short steps dominate)."""
+    timed = [(r.system[key], r.system["step_time_s"]) for r in records
+             if key in r.system and r.system.get("step_time_s")]
+    took = sum(t for _, t in timed)
+    return sum(v * t for v, t in timed) / took * scale if took > 0 else None
+
+
+def mean_of(records: list[Record], key: str, scale: float = 1.0) -> float | None:
+    values = [r.system[key] for r in records if key in r.system]
+    return statistics.fmean(values) * scale if values else None
+
+
+def peak_of(records: list[Record], key: str) -> float | None:
+    return max((r.system[key] for r in records if key in r.system), default=None)
+
+
 def _number(value) -> str:
     if value is None:
         return "-"
@@ -65,23 +84,24 @@ def summary_text(records: list[Record], run_id: str, dropped: int = 0) -> str:
                 rows.append([name, str(rank), values[-1], min(values), statistics.fmean(values)])
     if rows:
         lines += _table(["scalar", "rank", "last", "min", "mean"], rows)
-    system_rows = []
     llm = any("tokens_per_s" in r.system for r in records)  # language models: tokens/s and MFU too
     gpu = any("gpu_util_pct" in r.system for r in records)  # NVML: utilisation and device memory
+    system_rows, fleet = [], {"samples_per_s": 0.0, "tokens_per_s": 0.0}
     for rank, recs in ranks.items():
-        def mean_of(key, scale=1.0, recs=recs):
-            values = [r.system[key] for r in recs if key in r.system]
-            return statistics.fmean(values) * scale if values else None
-
-        def peak_of(key, recs=recs):
-            return max((r.system.get(key, 0) for r in recs), default=None)
-
+        steady = recs[1:] or recs  # the first step (compilation, allocation, warm-up) is shown apart
+        rates = {key: rate(steady, key) for key in fleet}
+        for key, value in rates.items():
+            fleet[key] += value or 0.0
         system_rows.append([
-            str(rank), len(recs), steps_per_second(recs), mean_of("step_time_s", 1e3), mean_of("comm_s", 1e3),
-            mean_of("samples_per_s"), peak_of("rss_mb"),
-        ] + ([mean_of("tokens_per_s"), mean_of("mfu", 100.0)] if llm else [])
-          + ([mean_of("gpu_util_pct"), peak_of("gpu_mem_used_mb")] if gpu else []))
-    lines += _table(["rank", "records", "steps/s", "step ms", "comm ms", "samples/s", "peak rss MiB"]
+            str(rank), len(recs), steps_per_second(steady), mean_of(steady, "step_time_s", 1e3),
+            recs[0].system.get("step_time_s", 0.0) * 1e3, mean_of(steady, "comm_s", 1e3),
+            rates["samples_per_s"], peak_of(recs, "rss_mb"),
+        ] + ([rates["tokens_per_s"], rate(steady, "mfu", 100.0)] if llm else [])
+          + ([mean_of(steady, "gpu_util_pct"), peak_of(recs, "gpu_mem_used_mb")] if gpu else []))
+    if len(ranks) > 1:
+        system_rows.append(["all", len(records), None, None, None, None, fleet["samples_per_s"] or None, None]
+                           + ([fleet["tokens_per_s"] or None, None] if llm else []) + ([None, None] if gpu else []))
+    lines += _table(["rank", "records", "steps/s", "step ms", "first step ms", "comm ms", "samples/s", "peak rss MiB"]
                     + (["tokens/s", "MFU %"] if llm else []) + (["GPU util %", "GPU mem MiB"] if gpu else []),
                     system_rows)
     return "\n".join(lines)
