@@ -6,6 +6,7 @@ import io
 import os
 import signal
 import sys
+import re
 import threading
 import time
 
@@ -369,3 +370,29 @@ def test_an_engine_process_output_outlives_the_runtime_folder():
         logs = os.path.join(one.run_dir, "logs")
     names = [n for n in os.listdir(logs) if n.startswith("engine-")]
     assert any("straight to fd 2" in open(os.path.join(logs, n)).read() for n in names), names
+
+
+def test_stacks_show_where_each_rank_is_now_grouped_and_without_stopping_it(fleet):
+    """%fleet stacks while a cell runs (from another thread, as the panel would ask): rank 0 waits in
+    all_reduce, rank 1 sleeps in the cell; both go on and finish the cell."""
+    seen = {}
+
+    def look():
+        time.sleep(2.5)
+        seen["stacks"] = fleet.stacks()
+
+    looker = threading.Thread(target=look)
+    looker.start()
+    got = fleet.run("import time, torch, torch.distributed as dist\nif rank == 1:\n    time.sleep(5)\n"
+                    "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()", show_output=False)
+    looker.join()
+    assert got == [2.0, 2.0], "the ranks were not stopped"
+    text = seen["stacks"]
+    waiting = text[text.index("── rank 0 of 2 ──"):text.index("── rank 1 of 2 ──")]
+    assert "in all_reduce" in waiting and 'File "<distributed-cell-' in waiting
+    sleeping = text[text.index("── rank 1 of 2 ──"):]
+    assert re.search(r'File "<distributed-cell-\d+>", line 3 in <module>', sleeping)
+    assert "ipyparallel" not in text and "threads of the engine itself" in text
+    idle = fleet.stacks()
+    assert idle.startswith("── rank 0,1 of 2 ──") and "idle: waiting for a cell" in idle
+    assert "/ipyparallel/" in fleet.stacks(everything=True)

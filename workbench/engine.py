@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Any
 
-from . import batch_process
+from . import batch_process, stacks
 from .messages import CellReply, MetricsMark
 from .metrics.logger import LOGGER
 from .options import CellOptions
@@ -250,6 +250,7 @@ def attach(metrics_address: str, run_dir: str, memory_limit: int | None = None, 
     and ``memory_limit`` bytes at most (:func:`limit_memory`)."""
     STATE.run_dir = run_dir
     batch_process.become_batch_process()
+    stacks.enable(run_dir)
     LOGGER.attach(metrics_address)
     limit_memory(memory_limit, cpu)
 

@@ -179,6 +179,10 @@ def fleet_parser() -> MagicParser:
     start = sub.add_parser("start", prog="%fleet start", add_help=False)
     add_flags(start, FleetOptions)
     sub.add_parser("status", prog="%fleet status", add_help=False)
+    stacks = sub.add_parser("stacks", prog="%fleet stacks", add_help=False)
+    stacks.add_argument("--native", action="store_true", help="C frames too, through py-spy (when installed)")
+    stacks.add_argument("--all", action="store_true", dest="everything",
+                        help="also the engine's own frames and threads (ipykernel, zmq, workbench)")
     scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
     scale.add_argument("n", type=count, help="the new number of ranks")
     recover = sub.add_parser("recover", prog="%fleet recover", add_help=False)

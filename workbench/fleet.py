@@ -406,6 +406,16 @@ class Fleet:
         except Exception as exc:  # a value that cannot travel (not picklable: a lock, a generator, ...)
             raise FleetError(f"cannot send {', '.join(map(repr, values))} to the ranks: {one_line(exc)}") from None
 
+    def stacks(self, native: bool = False, everything: bool = False) -> str:
+        """Where every rank's threads are now (Python frames; ``native``: C frames too, through
+        py-spy), identical stacks grouped across ranks; the ranks are not stopped. ``everything``:
+        also the engine's own frames and threads."""
+        from .stacks import collect
+
+        if not self.running:
+            raise FleetError("no fleet is running; start one with %fleet start -n 2")
+        return collect(self.pool.members, self.run_dir, self.world_size, native=native, everything=everything)
+
     def status(self) -> list[dict]:
         """One row per rank: rank, engine id, pid, host, device, state, memory (:mod:`workbench.status`)."""
         from .status import status_rows

@@ -122,6 +122,10 @@ class WorkbenchMagics(Magics):
             name; --profile / --cluster-id use the engines of a running ipcluster.
         %fleet status
             Table of rank, engine id, pid, host, device, state and memory.
+        %fleet stacks [--native] [--all]
+            Where every rank's threads are now (Python frames; --native: C frames too,
+            through py-spy), identical stacks grouped across ranks; nothing is stopped.
+            --all: also the engine's own frames and threads.
         %fleet scale N
             Resize to N ranks, keeping training state: checkpoint, new process
             group, replay of the %%distributed --setup cells on every rank,
@@ -161,7 +165,7 @@ class WorkbenchMagics(Magics):
         if args is None:  # -h: help printed
             return None
         if args.command is None:
-            raise UsageError("%fleet needs a command: start, status, scale, recover, replace, tune, pull, push, export or stop "
+            raise UsageError("%fleet needs a command: start, status, stacks, scale, recover, replace, tune, pull, push, export or stop "
                              "(see %fleet?)")
         if args.command == "start":
             if self.session.current_fleet() is not None:
@@ -195,6 +199,8 @@ class WorkbenchMagics(Magics):
                 print(f"spares: {len(spares['ready'])} warm"
                       + (f" (engine {', '.join(str(s['engine']) for s in spares['ready'])})" if spares["ready"] else "")
                       + (f", {spares['starting']} starting" if spares["starting"] else ""))
+        elif args.command == "stacks":
+            print(fleet.stacks(native=args.native, everything=args.everything))
         elif args.command == "scale":
             fleet.scale(args.n)
         elif args.command == "recover":
