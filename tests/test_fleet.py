@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import sys
-import re
 import threading
 import time
 
