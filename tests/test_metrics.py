@@ -563,3 +563,15 @@ def test_a_million_records_keep_the_kernel_memory_bounded_and_old_records_come_b
     assert total - boundary >= WINDOW
     joined = store.since(boundary - 10, limit=20)
     assert [r.time - 1.7e9 for r in joined] == [boundary - 9 + i for i in range(20)], "no gap, no repeat"
+
+
+def test_a_nan_or_inf_loss_is_named_once_in_the_cell_output(fleet, capsys):
+    fleet.run("for i in range(6):\n    workbench.log(loss=float('nan') if rank == 1 and i >= 3 else 1.0,"
+              " grad=float('inf') if rank == 0 and i == 4 else 0.5)")
+    step = fleet.run("workbench.step")[0]
+    err = capsys.readouterr().err
+    assert f"workbench: loss is nan at step {step - 3} on rank 1 (3 non-finite values in this cell)" in err, err
+    assert f"workbench: grad is inf at step {step - 2} on rank 0\n" in err
+    assert err.count("loss is nan") == 1
+    fleet.run("workbench.log(loss=1.0)")
+    assert "non-finite" not in capsys.readouterr().err, "said once: the next cell is clean"

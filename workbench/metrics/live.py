@@ -14,7 +14,7 @@ import sys
 from ..output import in_kernel
 from .collector import MetricsCollector
 from .store import WINDOW
-from .summary import summary_text
+from .summary import non_finite, summary_text
 from .tensorboard_sink import TensorBoardSink, tensorboard_available
 from .wandb_sink import WandbSink, wandb_enabled
 
@@ -125,6 +125,8 @@ class CellWatch:
         if not arrived:
             notes.append(f"metrics: some records had not arrived {ARRIVAL_WAIT_S:g} s after the cell ended; "
                          "they will still be written to metrics.jsonl")
+        if len(self.metrics.store) > self.first:  # a diverged loss is said once, in the cell's output
+            notes += non_finite(self.metrics.store.since(max(self.first, len(self.metrics.store) - WINDOW)))
         for note in notes:
             print(f"workbench: {note}", file=sys.stderr)
         if len(self.metrics.store) <= self.first:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 
@@ -27,6 +28,20 @@ def steps_per_second(records: list[Record]) -> float | None:
     else:
         busy = records[-1].time - records[0].time + (times[0] or 0.0)
     return len(records) / busy if busy > 0 else None
+
+
+def non_finite(records: list[Record]) -> list[str]:
+    """One line per scalar that went NaN or infinite: where it first did, and how often."""
+    first: dict[str, Record] = {}
+    count: dict[str, int] = defaultdict(int)
+    for record in records:
+        for name, value in record.scalars.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                first.setdefault(name, record)
+                count[name] += 1
+    return [f"{name} is {record.scalars[name]} at step {record.step} on rank {record.rank}"
+            + (f" ({count[name]} non-finite values in this cell)" if count[name] > 1 else "")
+            for name, record in first.items()]
 
 
 def rate(records: list[Record], key: str, scale: float = 1.0) -> float | None:
