@@ -575,3 +575,17 @@ def test_a_nan_or_inf_loss_is_named_once_in_the_cell_output(fleet, capsys):
     assert err.count("loss is nan") == 1
     fleet.run("workbench.log(loss=1.0)")
     assert "non-finite" not in capsys.readouterr().err, "said once: the next cell is clean"
+
+
+def test_workbench_notices_go_through_the_workbench_logger(fleet, capsys):
+    import logging
+
+    logger = logging.getLogger("workbench")
+    try:
+        logger.setLevel(logging.WARNING)  # the user's choice: no notices
+        fleet.run("workbench.log(loss=float('nan'))")
+        assert "loss is nan" not in capsys.readouterr().err
+    finally:
+        logger.setLevel(logging.INFO)
+    fleet.run("workbench.log(loss=float('nan'))")
+    assert "workbench: loss is nan" in capsys.readouterr().err

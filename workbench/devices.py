@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 
 import psutil
 
 from .errors import OptionsError
+from .notices import notice
 
 DEFAULT_CPU_ENGINES = 2
 
@@ -117,7 +117,7 @@ def check_machine_fits(n: int) -> None:
         raise OptionsError(f"{n} CPU engines need about {n * ENGINE_MEMORY_BYTES / 2**30:.0f} GiB but this machine has "
                            f"{available / 2**30:.0f} GiB available; use at most -n {max(1, available // ENGINE_MEMORY_BYTES)}")
     if n > CPU_ENGINES_PER_CORE * cores:
-        print(f"workbench: {n} CPU engines on {cores} cores will be slow and may time out in collectives; "
-              f"consider -n {cores}", file=sys.stderr, flush=True)
+        notice(f"{n} CPU engines on {cores} cores will be slow and may time out in collectives; "
+               f"consider -n {cores}")
 
 

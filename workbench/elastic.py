@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from .checkpoint import replica
 from .checkpoint.api import abandon as abandon_saves
 from .devices import check_machine_fits
 from .errors import FleetError, OptionsError
+from .notices import notice
 from .output import ProgressLine
 
 MAX_RANKS = 4096  # past this a typo, not a fleet: nothing is built for it
@@ -174,8 +174,8 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str, replica_engine: int | 
 def _teardown(fleet) -> None:
     """Every rank leaves the process group; background saves the old group broke are set aside."""
     broken = fleet.client[fleet.engine_ids()].apply_async(abandon_saves).get()
-    for notice in sorted({n for errors in broken for n in errors}):
-        print(f"workbench: {notice} (not used: it was never committed)", file=sys.stderr, flush=True)
+    for error in sorted({n for errors in broken for n in errors}):
+        notice(f"{error} (not used: it was never committed)")
     fleet.client[fleet.engine_ids()].apply_async(rendezvous.leave).get()
 
 
@@ -185,8 +185,8 @@ def handle_stragglers(fleet) -> None:
 
     slow = fleet.stragglers()
     for rank in sorted(set(slow) - fleet.slow_reported):
-        print(f"workbench: {describe(rank, slow[rank])}; %fleet replace {rank} swaps it for a fresh engine "
-              "(keeping the training state)", file=sys.stderr, flush=True)
+        notice(f"{describe(rank, slow[rank])}; %fleet replace {rank} swaps it for a fresh engine "
+               "(keeping the training state)")
     fleet.slow_reported |= set(slow)
     if slow and fleet.options.auto_replace_stragglers:
         auto_recover(fleet, f"rank {','.join(map(str, sorted(slow)))} is slow", replace=sorted(slow))
@@ -199,8 +199,8 @@ def auto_recover(fleet, what: str, again: bool = False, replace: list[int] = ())
     if not ((fleet.auto_recover or replace) and fleet.restarts < fleet.max_restarts):
         return False
     fleet.restarts += 1
-    print(f"workbench: auto-recover {fleet.restarts}/{fleet.max_restarts}: {what}; recovering (a survivor's state "
-          f"or the latest checkpoint){' and running the cell again' if again else ''}", file=sys.stderr, flush=True)
+    notice(f"auto-recover {fleet.restarts}/{fleet.max_restarts}: {what}; recovering (a survivor's state "
+           f"or the latest checkpoint){' and running the cell again' if again else ''}")
     fleet.recover(replace=replace)
     return True
 
@@ -236,8 +236,8 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
         try:
             tag = phases.run("checkpoint", "checkpoint", fleet.checkpoints.save, tag=f"recover-{fleet.generation}")
         except Exception as exc:  # e.g. the process group is broken: only a saved state is left
-            print(f"workbench: the live sharded state could not be saved first ({exc}); recovering from the latest "
-                  "checkpoint", file=sys.stderr, flush=True)
+            notice(f"the live sharded state could not be saved first ({exc}); recovering from the latest "
+                   "checkpoint")
     lost = sorted(set(dead) | set(fleet.fresh_ranks)) if shrink else []
     if len(lost) >= fleet.world_size:
         raise OptionsError("no rank would be left: recover without --shrink")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from . import rendezvous
 from .errors import WorkbenchError
 from .messages import CellReply
+from .notices import notice
 from .output import RankOutput, last_line
 from .watchdog import HangWatch
 
@@ -305,8 +305,8 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
         fleet.rank_logs.cell(title, {r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr"))
                                      for r, ar in submitted.items()})
     watch.finish(result.replies)
-    for notice in sorted({n for reply in result.replies.values() for n in reply.get("notices", ())}):
-        print(f"workbench: {notice}", file=sys.stderr)
+    for text in sorted({n for reply in result.replies.values() for n in reply.get("notices", ())}):
+        notice(text)
 
     frozen = any(h.frozen for h in hangs)
     for hang in hangs:  # the hang is the rank's error, whatever stopping it raised there
@@ -319,14 +319,14 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
     notes, dead = _repair(fleet, bool(failures) or interrupted or timed_out or bool(torn_down),
                           released or killed or bool(torn_down), killed, lost)
     if torn_down and not failures:
-        print(f"workbench: the cell tore down the default process group on rank {_ranks(torn_down)} "
-              "(destroy_process_group or its own init_process_group); it was rebuilt for the next cell — "
-              "objects prepared before are bound to the old group: prepare them again", file=sys.stderr)
+        notice(f"the cell tore down the default process group on rank {_ranks(torn_down)} "
+               "(destroy_process_group or its own init_process_group); it was rebuilt for the next cell — "
+               "objects prepared before are bound to the old group: prepare them again")
     if timed_out:
         notes.insert(0, f"the cell ran past --timeout {timeout:g} s and was stopped on every rank")
     if interrupted:
         if not failures:  # every rank handled the interrupt (a loop that catches KeyboardInterrupt)
-            print("workbench: interrupted; every rank ended the cell cleanly", file=sys.stderr, flush=True)
+            notice("interrupted; every rank ended the cell cleanly")
             return result
         raise CellInterrupted(DistributedCellError(failures, fleet.world_size, notes, interrupted=True).report())
     if failures:

@@ -15,7 +15,6 @@ Its options are :class:`workbench.options.FleetOptions` (the same as ``%fleet st
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from .devices import EngineSlot, check_machine_fits, parse_gpu_list, plan_engine
 from .errors import FleetError, OptionsError
 from .launchers import LauncherSpec
 from .metrics.live import FleetMetrics
+from .notices import notice
 from .options import CellOptions, FleetOptions, TuneOptions, parse_size
 from .output import ProgressLine
 from .pool import EnginePool, Member
@@ -207,8 +207,7 @@ class Fleet:
         tags = sorted({tag for tag in pending if tag})
         if not tags:
             return
-        print(f"workbench: waiting for the background save of checkpoint {', '.join(map(repr, tags))} before stopping…",
-              file=sys.stderr, flush=True)
+        notice(f"waiting for the background save of checkpoint {', '.join(map(repr, tags))} before stopping…")
         try:
             results = client[self.engine_ids()].apply_async(checkpoint_api.finish_pending, timeout_s).get(
                 timeout=timeout_s + 10)
@@ -216,7 +215,7 @@ class Fleet:
             results = [{"tag": tags[0], "error": f"a rank could not finish it ({type(exc).__name__})"}]
         for result in results:
             if result.get("error"):
-                print(f"workbench: checkpoint {result['tag']!r} is lost: {result['error']}", file=sys.stderr, flush=True)
+                notice(f"checkpoint {result['tag']!r} is lost: {result['error']}")
                 break
 
     def __enter__(self) -> "Fleet":
@@ -265,13 +264,13 @@ class Fleet:
         leaves them blocked inside ``init_process_group``, where nothing reaches them: they are
         replaced too, and the group is built once more."""
         if dead := self.pool.dead_ranks(settle_s=0.0):
-            print(f"workbench: {'; '.join(self.pool.loss(r)[0] for r in dead)} before joining the process group; "
-                  "starting a fresh engine in its place", file=sys.stderr, flush=True)
+            notice(f"{'; '.join(self.pool.loss(r)[0] for r in dead)} before joining the process group; "
+                   "starting a fresh engine in its place")
             self.replace(dead)
         stuck = self._join_all()
         if stuck:
-            print(f"workbench: rank {','.join(map(str, stuck))} waited in init_process_group for a rank that "
-                  "died; replacing them and building the group again", file=sys.stderr, flush=True)
+            notice(f"rank {','.join(map(str, stuck))} waited in init_process_group for a rank that "
+                   "died; replacing them and building the group again")
             self.replace(stuck)
             if stuck := self._join_all():
                 raise FleetError(f"the process group could not be built: rank {','.join(map(str, stuck))} died "
@@ -384,7 +383,7 @@ class Fleet:
             nodes=len({m.host for m in self.members}) or 1, run_id=self.run_id, gpus=self.device_type == "cuda",
             slurm_options=self.launcher.traits if self.launcher.name == "slurm" else None, overwrite=overwrite)
         for warning in warnings:
-            print(f"workbench: {warning}", file=sys.stderr)
+            notice(warning)
         return written
 
     def pull(self, name: str, rank: int = 0) -> Any:

@@ -24,6 +24,7 @@ from . import rendezvous
 from .devices import EngineSlot, visible_gpus
 from .errors import FleetError, OptionsError
 from .messages import Identity
+from .notices import notice
 from .output import ProgressLine
 from .processes import CONTROLLER_TIMEOUT_S, HUB_SILENT_S, Processes, alive, exit_status, process_trees
 
@@ -239,7 +240,7 @@ class EnginePool:
         try:
             slots = self.new_slots(count)
         except OptionsError as exc:
-            print(f"workbench: no spare engine started: {exc}", file=sys.stderr)
+            notice(f"no spare engine started: {exc}")
             return
         for slot in slots:
             self.pending_spares[self.launch(slot)] = slot

@@ -20,6 +20,7 @@ import psutil
 from . import template
 from .errors import OptionsError
 from .launchers import LauncherSpec
+from .notices import notice
 from .output import ProgressLine, last_line
 from .reaper import kill_all, write_pids
 
@@ -101,8 +102,7 @@ class Processes:
         if not os.path.exists(path):
             error = self._template.stderr.read().decode(errors="replace").strip().splitlines() \
                 if self._template.poll() is not None else ["it did not start in time"]
-            print(f"workbench: engines start without the engine template ({error[-1] if error else 'no output'})",
-                  file=sys.stderr, flush=True)
+            notice(f"engines start without the engine template ({error[-1] if error else 'no output'})")
 
     def connect(self, profile: str | None, cluster_id: str | None) -> None:
         """Use the controller of an ipcluster that is already running."""

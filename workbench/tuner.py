@@ -4,8 +4,7 @@ of the next cells."""
 
 from __future__ import annotations
 
-import sys
-
+from .notices import notice
 from .options import TuneOptions
 from .trials import TuneResult, tune
 
@@ -17,8 +16,8 @@ def tune_fleet(fleet, step, model, batch, optimizer, options: TuneOptions) -> Tu
     result: TuneResult = fleet.run(tune, step, model, batch, optimizer, options, options=fleet.cell_defaults)[0]
     best = result.best
     if best is None:
-        print("workbench: no configuration fit: every trial ran out of memory or was skipped; try smaller "
-              "micro-batches (--micro-batches) or another strategy", file=sys.stderr, flush=True)
+        notice("no configuration fit: every trial ran out of memory or was skipped; try smaller "
+               "micro-batches (--micro-batches) or another strategy")
     elif options.apply:
         fleet.cell_defaults = best.cell_options(fleet.cell_defaults)
         fleet.push(micro_batch_size=best.micro_batch)

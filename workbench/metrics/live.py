@@ -9,8 +9,7 @@ and prints the text summary (what nbconvert and scripts keep).
 
 from __future__ import annotations
 
-import sys
-
+from ..notices import notice
 from ..output import in_kernel
 from .collector import MetricsCollector
 from .store import WINDOW
@@ -128,7 +127,7 @@ class CellWatch:
         if len(self.metrics.store) > self.first:  # a diverged loss is said once, in the cell's output
             notes += non_finite(self.metrics.store.since(max(self.first, len(self.metrics.store) - WINDOW)))
         for note in notes:
-            print(f"workbench: {note}", file=sys.stderr)
+            notice(note)
         if len(self.metrics.store) <= self.first:
             return
         if self.live:
