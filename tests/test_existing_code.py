@@ -19,6 +19,7 @@ import textwrap
 
 import pytest
 
+from workbench import Fleet
 from workbench.execution import DistributedCellError
 
 # pytorch/examples distributed/ddp-tutorial-series/multigpu_torchrun.py, as a CPU user runs it
@@ -262,18 +263,21 @@ def test_the_ddp_tutorial_script_runs_with_percent_run_as_under_torchrun(fleet, 
         "the script's destroy_process_group left a working group for the next cell"
 
 
-def test_lightning_fabric_and_trainer_join_the_fleet_as_under_torchrun(fleet, tmp_path, capsys):
+def test_lightning_fabric_and_trainer_join_the_fleet_as_under_torchrun(tmp_path, capsys):
+    """On a fleet of their own: Lightning asks mpi4py (where it is installed) whether MPI launched it,
+    and OpenMPI's singleton start leaves a listening socket in the engine, as under torchrun."""
     reference, here = tmp_path / "torchrun", tmp_path / "fleet"
     reference.mkdir(), here.mkdir()
-    for name, text, marker in (("fabric.py", FABRIC, "FABRIC world 2"), ("trainer.py", LIGHTNING_TRAINER,
-                                                                          "TRAINER world 2")):
-        _write(reference, name, text)
-        _write(here, name, text)
-        done = _torchrun(reference, name)
-        assert done.returncode == 0, done.stderr[-2000:]
-        want = re.search(rf"{marker} .*", done.stdout)[0]
-        printed = _run_in(fleet, here, f"%run {name}", capsys)
-        assert f"[rank 0] {want}" in printed, (want, printed[-2000:])
+    with Fleet(n=2, progress=False, wandb=False, tensorboard=False) as fleet:
+        for name, text, marker in (("fabric.py", FABRIC, "FABRIC world 2"),
+                                   ("trainer.py", LIGHTNING_TRAINER, "TRAINER world 2")):
+            _write(reference, name, text)
+            _write(here, name, text)
+            done = _torchrun(reference, name)
+            assert done.returncode == 0, done.stderr[-2000:]
+            want = re.search(rf"{marker} .*", done.stdout)[0]
+            printed = _run_in(fleet, here, f"%run {name}", capsys)
+            assert f"[rank 0] {want}" in printed, (want, printed[-2000:])
 
 
 def test_transformers_distributed_eval_script_passes_and_its_failure_fails_the_cell(fleet, tmp_path, capsys):
@@ -306,6 +310,7 @@ def test_exit_without_a_code_ends_the_rank_as_a_success(fleet, capsys):
 
 
 def test_a_scripts_init_process_group_joins_or_refuses_in_one_line(fleet, capsys):
+    fleet.run("import workbench.batch_process\nworkbench.batch_process._JOINED_NOTICE_SENT = False  # as on a new engine")
     fleet.run("import torch.distributed as dist\ndist.init_process_group(backend='gloo', init_method='env://')")
     assert "init_process_group joined the fleet's process group" in capsys.readouterr().err
     with pytest.raises(DistributedCellError, match=r"init_process_group\(backend 'nccl'\) does not match this "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import signal
@@ -259,6 +260,9 @@ def _panel_walkthrough(lab, page):
     run_id = next((root / "notebooks" / "workbench-runs").iterdir()).name
     assert not (root / "workbench-runs").exists()
     assert runs.first.get_attribute("data-run") == run_id
+    # from the run's run.json: named after the notebook, stopped, how long, its final loss
+    assert re.match(r"01_quickstart · stopped · \d+(m\d\ds|s) · loss [0-9.e+-]+ · \d+ checkpoints$",
+                    runs.first.text_content()), runs.first.text_content()
     runs.first.click()
     page.wait_for_function("document.querySelector('.wb-message').textContent.includes('from disk')",
                            timeout=30_000)

@@ -102,6 +102,7 @@ def test_routes_serve_the_runs_checkpoints_and_metrics_on_disk(server, trained_r
     assert status == 200 and run_id in [r["id"] for r in runs["runs"]]
     mine = next(r for r in runs["runs"] if r["id"] == run_id)
     assert mine["metrics"] and mine["checkpoints"] >= 1
+    assert mine["status"] == "running" and mine["loss"] == 1.0 and mine["name"], mine  # from run.json
     status, checkpoints = _get(f"{url}/workbench/api/runs/{run_id}/checkpoints", token)
     row = next(c for c in checkpoints["checkpoints"] if c["tag"] == tag)
     assert status == 200 and row["state"] == "complete" and row["world_size"] == 2 and row["size"] > 0

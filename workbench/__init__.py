@@ -16,6 +16,7 @@ _LAZY = {
     "checkpoint": (".checkpoint", None),
     "llm": (".llm", None),
     "log": (".metrics", "log"),
+    "config": (".metrics", "config"),
     "progress": (".metrics", "progress"),
     "tune": (".trials", "tune"),
     "CellOptions": (".options", "CellOptions"),
@@ -38,6 +39,7 @@ __all__ = [
     "load_ipython_extension",
     "unload_ipython_extension",
     "log",
+    "config",
     "progress",
     "tune",
 ]

@@ -81,7 +81,9 @@ def text_progress_bars() -> None:
 def run_script(line: str) -> None:
     """``%run script.py ARGS`` (or ``%run -m module ARGS``) on a rank, as ``torchrun script.py
     ARGS`` runs it: ``__name__ == "__main__"``, ``sys.argv``, the script's folder first on
-    ``sys.path``; its exceptions (and ``sys.exit``) are the cell's."""
+    ``sys.path``; its exceptions (and ``sys.exit``) are the cell's. As its process would under
+    torchrun, its changes to the environment end with it (libraries that launch rewrite
+    ``WORLD_SIZE`` and the like; the rank's next cells need the fleet's)."""
     words = shlex.split(line)
     module = bool(words) and words[0] == "-m"
     if module:
@@ -89,7 +91,7 @@ def run_script(line: str) -> None:
     if not words or (words[0].startswith("-") and not module):
         raise _usage_error()
     target, args = words[0], words[1:]
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_argv, saved_path, saved_environ = sys.argv[:], sys.path[:], dict(os.environ)
     try:
         if module:
             sys.argv = [target, *args]  # runpy replaces argv[0] with the module's file
@@ -104,6 +106,9 @@ def run_script(line: str) -> None:
     finally:
         sys.argv[:] = saved_argv
         sys.path[:] = saved_path
+        if dict(os.environ) != saved_environ:
+            os.environ.clear()
+            os.environ.update(saved_environ)
 
 
 def _usage_error() -> Exception:

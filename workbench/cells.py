@@ -10,11 +10,14 @@ recorded for replay and export, and stragglers are named (:mod:`workbench.elasti
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 
 from . import engine, execution
 from .elastic import auto_recover, handle_stragglers, recover_if_dead, refuse_if_unfinished
 from .errors import FleetError, OptionsError
+from .metrics.store import WINDOW
 from .options import CellOptions
 
 
@@ -72,8 +75,10 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
     name = f"distributed-cell-{fleet.cells_run}"
     args = (code, options.to_dict(), name, return_value, not return_value)
     try:
-        result = execution.run_on_ranks(fleet, chosen, engine.run_cell, args, timeout=timeout,
-                                        show_output=show_output, title=name, all_progress=show_all_progress)
+        with _recorded(fleet, name, options, chosen, setup) as replies:
+            result = execution.run_on_ranks(fleet, chosen, engine.run_cell, args, timeout=timeout,
+                                            show_output=show_output, title=name, all_progress=show_all_progress)
+            replies.update(result.replies)
     except execution.DistributedCellError as exc:
         what = (f"the engine of rank {','.join(map(str, exc.dead))} died" if exc.dead
                 else f"rank {','.join(map(str, exc.hung))} hung")
@@ -89,6 +94,32 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
     if not fleet.replaying:
         handle_stragglers(fleet)
     return result
+
+
+@contextlib.contextmanager
+def _recorded(fleet, name: str, options: CellOptions, ranks: list[int], setup: bool):
+    """The cell in the run's record (``run.json``): flags, ranks, start, end, status, its
+    scalars' last values, and the ranks' ``workbench.config``."""
+    started, first = time.time(), len(fleet.metrics.store) if fleet.metrics else 0
+    status, error, replies = "ok", "", {}
+    try:
+        yield replies  # the ranks' replies, filled in by the caller
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    except BaseException as exc:
+        status, error = "failed", str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise
+    finally:
+        if fleet.record is not None:
+            flags = {k: v for k, v in options.to_dict().items() if v != getattr(CellOptions(), k)}
+            if setup:
+                flags["setup"] = True
+            store = fleet.metrics.store if fleet.metrics else None
+            records = store.since(max(first, len(store) - WINDOW)) if store is not None else []
+            fleet.record_config({k: v for rank in sorted(replies, reverse=True)  # rank 0's value wins
+                                 for k, v in (replies[rank].get("config") or {}).items()})
+            fleet.record.cell(name, flags, ranks, started, status, error, records)
 
 
 def call(fleet, function: Callable, args: tuple, kwargs: dict, options: CellOptions, *, ranks=None,

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import batch_process, stacks
 from .messages import CellReply, MetricsMark
-from .metrics.logger import LOGGER
+from .metrics.logger import LOGGER, take_config
 from .options import CellOptions
 from .rank import STATE, is_out_of_memory, limit_memory, namespace
 
@@ -216,6 +216,7 @@ def _with_metrics(reply: CellReply) -> CellReply:
     errors = take_errors()  # every rank has the same failure (DCP is collective); rank 0 reports it once
     reply["notices"] = errors if STATE.spec is not None and STATE.spec.rank == 0 else []
     reply["notices"] += batch_process.take_notices()  # the same on every rank: the kernel shows it once
+    reply["config"] = take_config()
     if LOGGER.send_error is not None:  # the sender survived it; say so once
         rank = STATE.spec.rank if STATE.spec is not None else "?"
         reply["notices"].append(f"rank {rank}: the metrics sender skipped a message ({LOGGER.send_error})")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from . import cells, elastic, engine, group, rendezvous
@@ -28,12 +28,14 @@ from .devices import EngineSlot, check_machine_fits, parse_gpu_list, plan_engine
 from .errors import FleetError, OptionsError
 from .launchers import LauncherSpec
 from .metrics.live import FleetMetrics
+from .metrics.logger import take_config
 from .notices import notice
 from .options import CellOptions, FleetOptions, TuneOptions, parse_size
 from .output import ProgressLine
 from .pool import EnginePool, Member
 from .processes import Processes, one_line
 from .ranklogs import RankLogs
+from .run_record import RunRecord
 from .runs import new_run_dir
 
 SAVE_WAIT_S = 120.0  # how long stop() waits for a background save to commit
@@ -62,6 +64,7 @@ class Fleet:
         gpus = parse_gpu_list(options.gpus) if isinstance(options.gpus, str) else options.gpus
         self.launcher = LauncherSpec(options.launcher, options.batch_options(), options.launcher_config)
         self.attached = options.attached  # an ipcluster that is not ours
+        self.record: RunRecord | None = None  # <run>/run.json
         self.cell_thread: int | None = None  # the thread running a cell on the ranks now
         self.stop_requested = threading.Event()  # stop() from another thread: that cell stops its ranks
         if self.launcher.name != "local" or self.attached:
@@ -140,9 +143,13 @@ class Fleet:
             self.processes.make_runtime_dir()
             self.run_id, self.run_dir = new_run_dir(self.options.runs_dir)
             self.rank_logs = self.processes.rank_logs = RankLogs(self.run_dir)
+            options = {k: v for k, v in asdict(self.options).items() if v is not None and k != "progress"}
+            self.record = RunRecord.begin(self.run_id, self.run_dir, self.options.name, options)
+            self.record.add_config(take_config())  # workbench.config(...) in the kernel before the start
             self.metrics = FleetMetrics(
                 self.run_id, self.run_dir, self.runtime_dir, lambda: self.world_size,
-                {"ranks": len(self.pool.slots), "backend": self.backend, "device_type": self.device_type},
+                {"name": self.record.name, "ranks": len(self.pool.slots), "backend": self.backend,
+                 "device_type": self.device_type, "fleet": options, **self.record.config},
                 wandb=self.options.wandb, tensorboard=self.options.tensorboard,
             )
             if self.attached:
@@ -193,6 +200,9 @@ class Fleet:
             except Exception:
                 pass
         self.pool.close()
+        if self.record is not None and self.record.status == "running":
+            self.record_config({})  # what the kernel gave workbench.config since the last cell
+            self.record.end()
         if self.metrics is not None:
             self.metrics.close()  # the records stay readable in fleet.metrics.store
         self.processes.stop(client, pids)
@@ -404,6 +414,14 @@ class Fleet:
             self.client[self.engine_ids()].apply_async(engine.push, values).get()
         except Exception as exc:  # a value that cannot travel (not picklable: a lock, a generator, ...)
             raise FleetError(f"cannot send {', '.join(map(repr, values))} to the ranks: {one_line(exc)}") from None
+
+    def record_config(self, values: dict) -> None:
+        """Add ``values`` (and what the kernel gave ``workbench.config``) to the run's record and wandb's config."""
+        values = {**values, **take_config()}
+        if values and self.record is not None:
+            self.record.add_config(values)
+            if self.metrics is not None and self.metrics.wandb is not None:
+                self.metrics.wandb.update_config(values)
 
     def stacks(self, native: bool = False, everything: bool = False) -> str:
         """Where every rank's threads are now (Python frames; ``native``: C frames too, through

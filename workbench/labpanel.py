@@ -29,6 +29,7 @@ import re
 
 from tornado import web
 
+from . import run_record
 from .checkpoint import layout
 from .metrics.store import json_safe
 from .ranklogs import logs_dir
@@ -86,9 +87,21 @@ class RunsHandler(_RunsHandler):
                     checkpoints = layout.list_checkpoints(os.path.join(path, "checkpoints"), clean=False)
                     runs.append({"id": name, "modified": os.path.getmtime(path),
                                  "checkpoints": sum(e.state == "complete" for e in checkpoints),
-                                 "metrics": os.path.isfile(os.path.join(path, "metrics.jsonl"))})
+                                 "metrics": os.path.isfile(os.path.join(path, "metrics.jsonl")),
+                                 **_summary(run_record.read(path))})
         runs.sort(key=lambda r: r["modified"], reverse=True)
         self.send({"root": self.runs_root, "runs": runs})
+
+
+def _summary(record: dict | None) -> dict:
+    """What the runs list shows of a run's record: name, status, duration, final loss."""
+    if record is None:
+        return {}
+    started, ended = record.get("started"), record.get("ended")
+    loss = (record.get("final") or {}).get("loss") or {}
+    return {"name": str(record.get("name", "")), "status": str(record.get("status", "")),
+            "duration_s": (ended - started) if isinstance(started, (int, float)) and isinstance(ended, (int, float))
+            else None, "loss": loss.get("value") if isinstance(loss, dict) else None}
 
 
 class CheckpointsHandler(_RunsHandler):

@@ -35,6 +35,7 @@ class CellReply(TypedDict):
     group_intact: NotRequired[bool]  # the rank's process group can still be used
     metrics: NotRequired[MetricsMark]
     notices: NotRequired[list[str]]  # background problems to show once (a failed async save, ...)
+    config: NotRequired[dict]  # workbench.config(...) values recorded on the rank since its last reply
 
 
 class Identity(TypedDict):

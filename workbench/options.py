@@ -222,6 +222,8 @@ class FleetOptions:
 
     n: int | None = flag(None, name="-n", metavar="N")
     """number of engines (default: one per GPU, or 2 on CPU)"""
+    name: str | None = flag(None, metavar="NAME")
+    """the run's name in run.json, wandb and the panel (default: the notebook's name, else the run id)"""
     gpus: str | list[str] | None = flag(None, metavar="0,2")
     """GPU ids, one engine each"""
     cpu: bool = False

@@ -7,6 +7,6 @@ Kernel side: :mod:`.collector` (zmq receiver), :mod:`.store`, :mod:`.live`
 :mod:`.wandb_sink`.
 """
 
-from .logger import log, progress
+from .logger import config, log, progress
 
-__all__ = ["log", "progress"]
+__all__ = ["config", "log", "progress"]

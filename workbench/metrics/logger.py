@@ -402,6 +402,31 @@ def log(step: int | None = None, **scalars) -> None:
     LOGGER.log(step, scalars)
 
 
+CONFIG_VALUE = (str, int, float, bool, type(None))
+
+
+def config(**values) -> None:
+    """Record the run's configuration (``workbench.config(lr=3e-4, batch=32)``) in ``run.json``
+    and wandb's config; on a rank or in the kernel. Values are strings, numbers, booleans or
+    None (lists and tuples of them too)."""
+    for name, value in values.items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not all(isinstance(v, CONFIG_VALUE) for v in items):
+            raise TypeError(f"workbench.config({name}=...) takes a string, number, bool or None (or a list of them), "
+                            f"got {type(value).__name__}")
+    PENDING_CONFIG.update({k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
+
+
+PENDING_CONFIG: dict = {}  # workbench.config values not yet taken into the run's record
+
+
+def take_config() -> dict:
+    """The config recorded since the last call (the kernel merges each rank's after a cell)."""
+    taken = dict(PENDING_CONFIG)
+    PENDING_CONFIG.clear()
+    return taken
+
+
 def progress(total: int) -> None:
     """Tell the dashboard how many steps this run will take (for the progress bar and ETA)."""
     if isinstance(total, bool) or not isinstance(total, int) or total < 0:

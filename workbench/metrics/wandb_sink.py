@@ -91,6 +91,12 @@ class WandbSink:
         self.run.define_metric(STEP_KEY)
         self.run.define_metric("*", step_metric=STEP_KEY)
 
+    def update_config(self, values: dict) -> None:
+        """The run's config grew (``workbench.config``): before the run starts it goes in at init."""
+        self.config.update(values)
+        if self.run is not None:
+            self.run.config.update(values, allow_val_change=True)
+
     def write(self, records) -> None:
         if self.run is None:
             self._start()

@@ -34,6 +34,22 @@ function element<K extends keyof HTMLElementTagNameMap>(
   return node;
 }
 
+/** 95 s -> "1m35s", 4000 s -> "1h06m" */
+function duration(seconds: number): string {
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) {
+    return `${s}s`;
+  }
+  if (s < 3600) {
+    return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, '0')}s`;
+  }
+  return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, '0')}m`;
+}
+
+function formatNumber(value: number): string {
+  return Math.abs(value) >= 1e4 || (value !== 0 && Math.abs(value) < 1e-3) ? value.toExponential(3) : value.toPrecision(4);
+}
+
 function fillTable(table: HTMLTableElement, header: string[], rows: (string | Node)[][]): void {
   table.textContent = '';
   const head = table.createTHead().insertRow();
@@ -416,7 +432,20 @@ export class WorkbenchPanel extends Widget {
         this._runsBox.textContent = 'none yet';
       }
       for (const run of runs.slice(0, 10)) {
-        const item = element('button', 'wb-run', `${run.id} · ${run.checkpoints} checkpoints`);
+        const parts = [run.name ?? run.id];
+        if (run.status) {
+          parts.push(run.status);
+        }
+        if (typeof run.duration_s === 'number') {
+          parts.push(duration(run.duration_s));
+        }
+        if (run.loss !== undefined && run.loss !== null) {
+          parts.push(`loss ${typeof run.loss === 'number' ? formatNumber(run.loss) : run.loss}`);
+        }
+        parts.push(`${run.checkpoints} checkpoints`);
+        const item = element('button', 'wb-run', parts.join(' · '));
+        item.title = run.id;
+        item.dataset.status = run.status ?? '';
         item.dataset.run = run.id;
         item.onclick = () => void this._showDiskRun(run.id);
         this._runsBox.appendChild(item);

@@ -51,7 +51,17 @@ export type KernelMessage = IFleetState | IMetricsMessage;
 /** GET workbench/api/runs */
 export interface IRunsResponse {
   root: string;
-  runs: { id: string; modified: number; checkpoints: number; metrics: boolean }[];
+  runs: {
+    id: string;
+    modified: number;
+    checkpoints: number;
+    metrics: boolean;
+    /** from the run's run.json (absent for runs made before it existed) */
+    name?: string;
+    status?: string;
+    duration_s?: number | null;
+    loss?: number | string | null;
+  }[];
 }
 
 /** GET workbench/api/runs/<id>/metrics?since=N (records as in metrics.jsonl) */
