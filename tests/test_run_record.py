@@ -60,3 +60,22 @@ def test_a_named_run_is_stopped_and_a_killed_owner_reads_as_crashed(tmp_path):
     crashed = subprocess.run([sys.executable, "-c", script, "die"], capture_output=True, text=True, env=env,
                              timeout=180).stdout.split()[-1]
     assert read(crashed)["status"] == "crashed", "its owner died while it was running"
+
+
+def test_the_config_reaches_tensorboards_hparams_tab(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    from workbench import Fleet
+
+    with Fleet(n=1, progress=False, wandb=False, tensorboard=True, runs_dir=str(tmp_path), name="hp") as fleet:
+        fleet.run("workbench.config(lr=0.01, optimizer='sgd', layers=[2, 2])\nworkbench.log(loss=0.5)",
+                  show_output=False)
+        folder = os.path.join(fleet.run_dir, "tensorboard")
+    events = EventAccumulator(folder)
+    events.Reload()
+    content = events.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
+    start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    assert start.hparams["lr"].number_value == 0.01 and start.hparams["optimizer"].string_value == "sgd"
+    assert start.hparams["layers"].string_value == "[2, 2]" and start.hparams["name"].string_value == "hp"
+    assert "loss" in events.Tags()["scalars"]

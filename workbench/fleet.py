@@ -41,6 +41,12 @@ from .runs import new_run_dir
 SAVE_WAIT_S = 120.0  # how long stop() waits for a background save to commit
 CELL_STOP_WAIT_S = 30.0  # how long stop() from another thread waits for the running cell to stop its ranks
 
+
+def _flat(values: dict) -> dict:
+    """Config values as TensorBoard's HParams take them (a list becomes its text)."""
+    return {k: v if isinstance(v, (str, int, float, bool)) else str(v) for k, v in values.items() if v is not None}
+
+
 if TYPE_CHECKING:
     from .execution import CellResult
     from .trials import TuneResult
@@ -152,6 +158,9 @@ class Fleet:
                  "device_type": self.device_type, "fleet": options, **self.record.config},
                 wandb=self.options.wandb, tensorboard=self.options.tensorboard,
             )
+            if self.metrics.tensorboard is not None:
+                self.metrics.tensorboard.hparams.update(_flat({"name": self.record.name, "ranks": len(self.pool.slots),
+                                                               "backend": self.backend, **self.record.config}))
             if self.attached:
                 progress.show("fleet: connecting to the running cluster…")
                 self.processes.connect(self.options.profile, self.options.cluster_id)
@@ -422,6 +431,8 @@ class Fleet:
             self.record.add_config(values)
             if self.metrics is not None and self.metrics.wandb is not None:
                 self.metrics.wandb.update_config(values)
+            if self.metrics is not None and self.metrics.tensorboard is not None:
+                self.metrics.tensorboard.hparams.update(_flat(values))
 
     def stacks(self, native: bool = False, everything: bool = False) -> str:
         """Where every rank's threads are now (Python frames; ``native``: C frames too, through

@@ -19,6 +19,43 @@ from .step_rows import StepRows
 FOLDER = "tensorboard"
 
 
+def _event(summary):
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    return Event(wall_time=time.time(), step=0, summary=summary)
+
+
+def _hparams_summaries(hparams: dict, metric_tags: list[str]) -> list:
+    """TensorBoard's HParams records (experiment, session start and end) for ``hparams``, the
+    protobufs its plugin reads (as torch's ``add_hparams`` writes them; no TensorFlow needed)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+
+    start, infos = plugin_data_pb2.SessionStartInfo(), []
+    for name, value in hparams.items():
+        if isinstance(value, bool):
+            start.hparams[name].bool_value, kind = value, "DATA_TYPE_BOOL"
+        elif isinstance(value, (int, float)):
+            start.hparams[name].number_value, kind = float(value), "DATA_TYPE_FLOAT64"
+        elif value is not None:
+            start.hparams[name].string_value, kind = str(value), "DATA_TYPE_STRING"
+        else:
+            continue
+        infos.append(api_pb2.HParamInfo(name=name, type=api_pb2.DataType.Value(kind)))
+    experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=[
+        api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag)) for tag in metric_tags])
+    end = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value("STATUS_SUCCESS"))
+
+    def summary(tag, **data):
+        content = plugin_data_pb2.HParamsPluginData(version=metadata.PLUGIN_DATA_VERSION, **data).SerializeToString()
+        plugin = SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME, content=content)
+        return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
+
+    return [summary(metadata.EXPERIMENT_TAG, experiment=experiment),
+            summary(metadata.SESSION_START_INFO_TAG, session_start_info=start),
+            summary(metadata.SESSION_END_INFO_TAG, session_end_info=end)]
+
+
 def tensorboard_available() -> bool:
     try:
         import tensorboard.summary.writer.event_file_writer  # noqa: F401
@@ -34,6 +71,8 @@ class TensorBoardSink:
         self.folder = os.path.join(run_dir, FOLDER)
         self.rows = StepRows(world_size)
         self._writers: dict[str, object] = {}  # "" (the mean) or "rank<N>" -> EventFileWriter
+        self.hparams: dict = {}  # the run's config, written at close for TensorBoard's HParams tab
+        self._tags: set[str] = set()  # the mean's scalar tags: the HParams tab's metrics
 
     def write(self, records) -> None:
         self._write(self.rows.add(records))
@@ -50,6 +89,8 @@ class TensorBoardSink:
                 if not (head.startswith("rank") and tag):
                     head, tag = "", name
                 by_writer.setdefault(head, []).append(Summary.Value(tag=tag, simple_value=float(value)))
+                if not head:
+                    self._tags.add(tag)
             for head, values in by_writer.items():
                 self._writer(head).add_event(Event(wall_time=now, step=step, summary=Summary(value=values)))
 
@@ -72,6 +113,10 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.flush()
+        if self.hparams and self._tags:
+            for summary in _hparams_summaries(self.hparams, sorted(self._tags)):
+                self._writer("").add_event(_event(summary))
+            self._writer("").flush()
         for writer in self._writers.values():
             writer.close()
         self._writers = {}
