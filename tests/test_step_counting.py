@@ -74,3 +74,21 @@ def test_a_loop_that_only_logs_after_training_keeps_its_records_apart():
     for _ in range(3):
         logger.log(None, {"eval": 1.0})
     assert _labels(logger) == [0, 1, 2, 3] and logger.step == 1
+
+
+def test_a_collective_wait_restarts_when_the_rank_makes_progress(monkeypatch):
+    """Was: the wait clock was keyed on the collective frame's id, which the next step reuses, so
+    a slow link summed many steps' waits into one (a false MismatchedCollective after 32 s of DDP
+    steps on 50 Mbit/s). Now a wait lasts only while nothing else happens on the rank."""
+    from workbench.metrics import logger
+
+    frame = object()  # the same frame id, step after step
+    monkeypatch.setattr(logger, "_main_thread_frame", lambda: frame)
+    monkeypatch.setattr(logger, "_distributed_call", lambda f, ddp=False: (frame, "backward (DDP's gradient all-reduce)"))
+    monkeypatch.setattr(logger, "_stack", lambda f: "its stack")
+    pulse = logger._Pulse()
+    waits = [pulse.beat(activity, 0, True, now=float(now))["waiting_s"]
+             for now, activity in enumerate([5, 6, 7, 8, 9])]  # a bucket launched or a step done each second
+    assert waits == [0.0] * 5
+    waits = [pulse.beat(9, 0, True, now=float(now))["waiting_s"] for now in range(5, 40, 10)]
+    assert waits == [1.0, 11.0, 21.0, 31.0], "a wait with no progress still counts up (a real mismatch)"

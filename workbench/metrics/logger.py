@@ -279,7 +279,9 @@ class _Pulse:
     def __init__(self) -> None:
         self.activity = -1
         self.changed_at = 0.0
-        self.waiting: tuple[int, float] | None = None  # (id of the torch.distributed frame, first seen)
+        # ((id of the torch.distributed frame, activity), first seen): a frame id is reused from step to
+        # step, so the same id with new activity (a forward, a step, a collective launched) is a new wait
+        self.waiting: tuple[tuple[int, int], float] | None = None
 
     def beat(self, activity: int, at_cell_start: int, in_user_code: bool, now: float,
              ddp_syncing: bool = False) -> Beat:
@@ -290,8 +292,8 @@ class _Pulse:
         call, label = _distributed_call(frame, ddp_syncing)
         if call is None:
             self.waiting = None
-        elif self.waiting is None or self.waiting[0] != id(call):
-            self.waiting = (id(call), now)
+        elif self.waiting is None or self.waiting[0] != (id(call), activity):
+            self.waiting = ((id(call), activity), now)
         waiting_s = now - self.waiting[1] if self.waiting else None
         wants_stack = (stalled is not None and stalled >= STACK_AFTER_S) or (waiting_s or 0.0) >= STACK_AFTER_S
         stack = _stack(frame) if wants_stack else None
