@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from workbench import Fleet
+from workbench import Fleet, FleetError
 from workbench.execution import DistributedCellError
 
 # pytorch/examples distributed/ddp-tutorial-series/multigpu_torchrun.py, as a CPU user runs it
@@ -349,3 +349,14 @@ def test_progress_bars_show_their_last_state_and_other_ranks_bars_only_when_aske
     assert err.count("bar0: 100%") == 1 and err.count("bar1: 100%") == 1
     logs = open(os.path.join(fleet.rank_logs.folder, "rank-1.log")).read()
     assert "bar1: 100%" in logs and "\r" not in logs and "\u2060" not in logs, "rank 1's bars are in its log"
+
+
+def test_os_exit_on_a_rank_is_its_exit_code_and_a_fresh_engine_takes_its_place():
+    with Fleet(n=2, progress=False, wandb=False, tensorboard=False) as fleet:
+        fleet.run("x = 41", show_output=False)
+        with pytest.raises(DistributedCellError, match=r"^rank 1 exited with code 5 \(engine \d+, pid \d+\) of 2"):
+            fleet.run("import os\nif rank == 1:\n    os._exit(5)\nimport time\ntime.sleep(1)", show_output=False)
+        with pytest.raises(FleetError, match="rank 1 was replaced by a fresh engine .*run %fleet recover first"):
+            fleet.run("x", show_output=False)
+        fleet.recover()
+        assert fleet.run("rank", show_output=False) == [0, 1], "the next cell runs after the recovery"

@@ -386,6 +386,11 @@ class EnginePool:
                     f"the controller lost contact with rank {rank} ({who}): its process is alive but sent "
                     f"no heartbeat for {HUB_SILENT_S} s (the machine may be overloaded)")
         how = exit_status(self.processes, m.engine_set, m.pid)
+        if how and how.startswith("exit code ") and how != "exit code 0":  # os._exit(n), or a crash's own code
+            code = how.removeprefix("exit code ")
+            return (f"rank {rank} exited with code {code} ({who})",
+                    f"the engine of rank {rank} ({who}) exited with code {code} without a Python error "
+                    "(os._exit, or a library that ended the process); a fresh engine takes its place")
         return (f"rank {rank} died ({who}{', ' + how if how else ''})",
                 f"the engine of rank {rank} ({who}) died{f' ({how})' if how else ''}: its process vanished without "
                 "a Python error (killed by a signal such as SIGKILL or the OOM killer, or crashed)")
