@@ -236,6 +236,11 @@ def checkpoint_parser() -> MagicParser:
     rm = sub.add_parser("rm", prog="%checkpoint rm", add_help=False)
     rm.add_argument("tag", help="the checkpoint to delete")
     sub.add_parser("wait", prog="%checkpoint wait", add_help=False)
+    export = sub.add_parser("export", prog="%checkpoint export", add_help=False)
+    export.add_argument("tag", help="TAG, latest or a checkpoint folder")
+    export.add_argument("--hf", required=True, metavar="DIR", help="the Hugging Face folder to write (new or empty)")
+    export.add_argument("--model", default=None, metavar="NAME",
+                        help="the prepared model's name on the ranks (default: the only one)")
     return parser
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import time
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -299,6 +300,10 @@ class WorkbenchMagics(Magics):
             Delete a checkpoint.
         %checkpoint wait
             Wait until background saves have finished.
+        %checkpoint export TAG --hf DIR [--model NAME]
+            Write the checkpoint's model as a Hugging Face folder (config.json from the
+            fleet's model, safetensors shards, as save_pretrained writes them), assembled
+            on the CPU in a process of its own; from_pretrained(DIR) loads it.
 
         Checkpoints live in ./workbench-runs/<run-id>/checkpoints/<tag>/; a save is
         atomic (written to a temporary folder, committed by a manifest and a rename).
@@ -307,7 +312,7 @@ class WorkbenchMagics(Magics):
         if args is None:  # -h: help printed
             return None
         if args.command is None:
-            raise UsageError("%checkpoint needs a command: save, list, restore, rm or wait (see %checkpoint?)")
+            raise UsageError("%checkpoint needs a command: save, list, restore, rm, wait or export (see %checkpoint?)")
         fleet = self.session.current_fleet()
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2 and run your setup cells first")
@@ -326,6 +331,10 @@ class WorkbenchMagics(Magics):
         elif args.command == "wait":
             checkpoints.wait()
             print("no checkpoint is being written")
+        elif args.command == "export":
+            started = time.monotonic()
+            files = checkpoints.export(args.tag, args.hf, model=args.model)
+            print(f"exported to {args.hf} in {time.monotonic() - started:.1f} s: {', '.join(files)}")
 
     @line_magic
     @_friendly

@@ -7,13 +7,20 @@ removing only read the run's folder.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 from .. import engine, execution
 from ..errors import CheckpointError
-from . import api, layout, replica
+from . import api, hf_export, layout, replica
 from .failures import OS_REASONS
+
+EXPORT_TIMEOUT_S = 3600.0
 
 
 class Checkpoints:
@@ -58,6 +65,29 @@ class Checkpoints:
         cells (:mod:`.replica`); returns rank 0's report."""
         return self._on_every_rank(replica.share, src)[0]
 
+    def export(self, tag: str, out: str, model: str | None = None) -> list[str]:
+        """Write checkpoint ``tag``'s model ``model`` (default: the fleet's only prepared model,
+        else ``model``) as a Hugging Face folder ``out`` (``config.json`` from rank 0's model
+        while the fleet runs, safetensors shards); returns the files written."""
+        path = layout.resolve(self.folder, tag)
+        out = os.path.abspath(os.path.expanduser(out))
+        if os.path.isdir(out) and os.listdir(out):
+            raise CheckpointError(f"{out} is not empty; export into a new folder")
+        description = None
+        if self.fleet.running:
+            if model is None:
+                names = self._on_rank0(hf_export.prepared_models)
+                if len(names) > 1:
+                    raise CheckpointError(f"the fleet has {len(names)} prepared models ({', '.join(names)}); "
+                                          "name one with --model NAME")
+                model = names[0] if names else None
+            if model is not None:
+                description = self._on_rank0(hf_export.describe_model, model)
+        return _run_export(path, out, model or "model", description)
+
+    def _on_rank0(self, fn, *args):
+        return execution.run_on_ranks(self.fleet, [0], engine.call, (fn, args, {}), show_output=False).values()[0]
+
     def wait(self) -> None:
         """Wait for background saves on every rank to finish (errors are raised)."""
         self._on_every_rank(api.wait)
@@ -92,6 +122,25 @@ def _one_reason(reasons: list[str]) -> str:
     """One line for a save or load that failed on several ranks, each in its own words (a full
     disk is ENOSPC on one rank and a broken peer on another): the OS reason if a rank has one."""
     return next((r for r in reasons if any(os_reason in r for os_reason in OS_REASONS)), reasons[0])
+
+
+def _run_export(checkpoint: str, out: str, name: str, description: dict | None) -> list[str]:
+    """:mod:`.hf_export` in a process of its own: the full model never sits in the kernel or on a rank."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(description, f)
+    args = [sys.executable, "-m", "workbench.checkpoint.hf_export", checkpoint, out, name]
+    try:
+        done = subprocess.run(args + ([f.name] if description is not None else []), capture_output=True,
+                              text=True, timeout=EXPORT_TIMEOUT_S)
+    finally:
+        os.remove(f.name)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit code {done.returncode}"
+        if "KeyError" in reason and f"model/{name}" in reason:
+            reason = f"checkpoint has no model named {name!r}; name it with --model NAME"
+        raise CheckpointError(f"export of {os.path.basename(checkpoint)} failed: {reason}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _size(n: int) -> str:
