@@ -19,12 +19,13 @@ import concurrent.futures
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from . import rendezvous
 from .errors import WorkbenchError
 from .messages import CellReply
-from .notices import notice
+from .notices import debug, notice
 from .output import RankOutput, last_line
 from .watchdog import HangWatch
 
@@ -328,6 +329,8 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
         if not failures:  # every rank handled the interrupt (a loop that catches KeyboardInterrupt)
             notice("interrupted; every rank ended the cell cleanly")
             return result
+        debug("the cell was interrupted; workbench's own frames (not shown with the report):\n"
+              + "".join(traceback.format_stack()))
         raise CellInterrupted(DistributedCellError(failures, fleet.world_size, notes, interrupted=True).report())
     if failures:
         error = DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None,

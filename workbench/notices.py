@@ -31,3 +31,8 @@ if not any(isinstance(h, _StderrLine) for h in LOGGER.handlers):
 def notice(text: str) -> None:
     """Tell the user something that is not an error, in one line."""
     LOGGER.info(text)
+
+
+def debug(text: str) -> None:
+    """Keep a detail for whoever turns on ``logging.getLogger("workbench").setLevel(logging.DEBUG)``."""
+    LOGGER.debug(text)
