@@ -25,6 +25,8 @@ def targets(fleet, ranks) -> list[int]:
     """``ranks`` (None: all) checked against ``fleet``: a sorted list, or a one-line error."""
     if not fleet.running:
         raise FleetError("no fleet is running; start one with %fleet start -n 2 (or Fleet(n=2).start())")
+    if fleet.parked is not None:  # the next command brings a parked fleet back
+        fleet.unpark()
     if ranks is None:
         return list(range(fleet.world_size))
     if isinstance(ranks, int):

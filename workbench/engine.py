@@ -298,6 +298,15 @@ def set_step(step: int) -> None:
     LOGGER.step = int(step)
 
 
+def user_names() -> list[str]:
+    """The names in this rank's namespace that cells made (not IPython's own)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    hidden = getattr(shell, "user_ns_hidden", {}) if shell is not None else {}
+    return sorted(name for name in namespace() if name not in hidden and not name.startswith("_"))
+
+
 def push(values: dict) -> None:
     """Set ``values`` in this rank's namespace."""
     namespace().update(values)

@@ -190,6 +190,10 @@ def fleet_parser() -> MagicParser:
     replace = sub.add_parser("replace", prog="%fleet replace", add_help=False)
     replace.add_argument("ranks", type=rank_list, metavar="R[,R]", help="the ranks to swap for fresh engines")
     sub.add_parser("stop", prog="%fleet stop", add_help=False)
+    park = sub.add_parser("park", prog="%fleet park", add_help=False)
+    park.add_argument("--if-nothing-lost", dest="anyway", action="store_false",
+                      help="refuse when rank 0 holds names that no setup cell makes (default: list them and park)")
+    sub.add_parser("unpark", prog="%fleet unpark", add_help=False)
     pull = sub.add_parser("pull", prog="%fleet pull", add_help=False)
     pull.add_argument("name", help="the name on the rank; bound to the same name in the kernel")
     pull.add_argument("--rank", type=int, default=0, help="the rank to copy from (default 0)")

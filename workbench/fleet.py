@@ -15,13 +15,14 @@ Its options are :class:`workbench.options.FleetOptions` (the same as ``%fleet st
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
-from . import cells, elastic, engine, group, rendezvous
+from . import cells, elastic, engine, group, parking, rendezvous
 from .checkpoint import api as checkpoint_api
 from .checkpoint.control import Checkpoints
 from .devices import EngineSlot, check_machine_fits, parse_gpu_list, plan_engines
@@ -30,8 +31,9 @@ from .launchers import LauncherSpec
 from .metrics.live import FleetMetrics
 from .metrics.logger import take_config
 from .notices import notice
-from .options import CellOptions, FleetOptions, TuneOptions, parse_size
+from .options import CellOptions, FleetOptions, TuneOptions, parse_duration, parse_size
 from .output import ProgressLine
+from .parking import AutoPark, Parked, Usage
 from .pool import EnginePool, Member
 from .processes import Processes, one_line
 from .ranklogs import RankLogs
@@ -71,6 +73,12 @@ class Fleet:
         self.launcher = LauncherSpec(options.launcher, options.batch_options(), options.launcher_config)
         self.attached = options.attached  # an ipcluster that is not ours
         self.record: RunRecord | None = None  # <run>/run.json
+        self.parked: Parked | None = None  # %fleet park: no engines until the next command
+        self.usage = Usage()  # device time and idle share (%fleet status)
+        self.command_lock = threading.RLock()  # one command at a time (auto-park runs in a thread)
+        self.last_command_at = time.monotonic()
+        self.autopark: AutoPark | None = None
+        self._command_depth = 0
         self.cell_thread: int | None = None  # the thread running a cell on the ranks now
         self.stop_requested = threading.Event()  # stop() from another thread: that cell stops its ranks
         if self.launcher.name != "local" or self.attached:
@@ -111,7 +119,27 @@ class Fleet:
     # ------------------------------------------------------------------ the pool's view
     @property
     def running(self) -> bool:
-        return self.pool.client is not None and bool(self.pool.members)
+        """Started and not stopped (a parked fleet runs: its engines come back at the next command)."""
+        return self.pool.client is not None and (bool(self.pool.members) or self.parked is not None)
+
+    @contextlib.contextmanager
+    def command(self, busy: bool = False):
+        """One command on the fleet at a time; its time counts as busy (a cell) or not, and it
+        ends an idle stretch (:mod:`workbench.parking`)."""
+        with self.command_lock:
+            self._command_depth += 1
+            self.usage.count(self.world_size)
+            started = time.monotonic()
+            try:
+                yield
+            finally:
+                self._command_depth -= 1
+                if busy and self._command_depth == 0:
+                    self.usage.busy_seconds += time.monotonic() - started
+                self.usage.count(self.world_size)
+                self.last_command_at = time.monotonic()
+                if self.autopark is not None:
+                    self.autopark.active()
 
     @property
     def world_size(self) -> int:
@@ -173,6 +201,9 @@ class Fleet:
             progress.show(f"fleet: {self.world_size} engines up; joining process group ({self.backend})…")
             self.rendezvous()
             self.fresh_ranks = []  # an engine replaced while starting: no rank has state yet
+            self.usage = Usage()
+            if self.options.park_after is not None:
+                self.autopark = AutoPark(self, parse_duration(self.options.park_after), self.options.park_anyway)
         except OSError as exc:  # no room for the runtime folder, no free port, ...
             self.stop()
             where = f" ({exc.filename})" if exc.filename else ""
@@ -190,6 +221,9 @@ class Fleet:
     def stop(self) -> None:
         """Stop every engine and the controller; nothing is left running (an attached
         ipcluster keeps its engines: they only leave the process group)."""
+        if self.autopark is not None:
+            self.autopark.close()
+            self.autopark = None
         if self.cell_thread not in (None, threading.get_ident()):
             self.stop_requested.set()  # the cell's thread stops its ranks (SIGINT, then kill), then we go on
             deadline = time.monotonic() + CELL_STOP_WAIT_S
@@ -209,6 +243,7 @@ class Fleet:
             except Exception:
                 pass
         self.pool.close()
+        self.parked = None
         if self.record is not None and self.record.status == "running":
             self.record_config({})  # what the kernel gave workbench.config since the last cell
             self.record.end()
@@ -315,8 +350,9 @@ class Fleet:
         replayed on every rank after :meth:`scale` or a recovery. ``show_all_progress``:
         show every rank's progress bars, not only the first rank's.
         """
-        return cells.execute(self, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
-                             show_output=show_output, setup=setup, show_all_progress=show_all_progress)
+        with self.command(busy=True):
+            return cells.execute(self, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
+                                 show_output=show_output, setup=setup, show_all_progress=show_all_progress)
 
     def stragglers(self) -> dict[int, float]:
         """Slow ranks of the current process group: ``{rank: compute ratio}``
@@ -332,16 +368,30 @@ class Fleet:
     def scale(self, n: int) -> dict:
         """Resize to ``n`` ranks mid-session: checkpoint, new process group, setup replay,
         resharded restore (see :mod:`workbench.elastic`). Returns each phase's seconds."""
-        return elastic.scale(self, n)
+        with self.command():
+            return elastic.scale(self, n)
 
     def recover(self, shrink: bool = False, replace: list[int] = ()) -> dict:
         """After an engine died: replace it (``shrink``: go on without it), rebuild the
         group, replay the setup cells, then restore the survivors' state (a live replica) or the
         latest checkpoint (:mod:`workbench.elastic`). ``replace``: live ranks to swap for fresh
         engines the same way (a straggler: ``%fleet replace R``)."""
-        result = elastic.recover(self, shrink=shrink, replace=self.targets(list(replace)) if replace else [])
+        with self.command():
+            result = elastic.recover(self, shrink=shrink, replace=self.targets(list(replace)) if replace else [])
         self.fresh_ranks = []
         return result
+
+    def park(self, anyway: bool = True) -> "Parked":
+        """Checkpoint what a rescale keeps, stop every engine (their GPUs are free), remember the
+        size; the next command (or :meth:`unpark`) brings it back (:mod:`workbench.parking`).
+        ``anyway=False``: refuse when rank 0 holds names that no setup cell makes."""
+        with self.command():
+            return parking.park(self, anyway=anyway)
+
+    def unpark(self) -> dict:
+        """Start the parked fleet's engines again, replay the setup cells and restore."""
+        with self.command():
+            return parking.unpark(self)
 
     def run(
         self,
@@ -369,8 +419,9 @@ class Fleet:
         given = {"strategy": strategy, "mixed_precision": mixed_precision, "grad_accum": grad_accum}
         options = options or replace(self.cell_defaults, **{k: v for k, v in given.items() if v is not None})
         if callable(code_or_function):
-            result = cells.call(self, code_or_function, args, kwargs, options, ranks=ranks, timeout=timeout,
-                                show_output=show_output)
+            with self.command(busy=True):
+                result = cells.call(self, code_or_function, args, kwargs, options, ranks=ranks, timeout=timeout,
+                                    show_output=show_output)
         elif args or kwargs:
             raise OptionsError("extra arguments are only accepted when running a function, not a code string")
         else:
@@ -407,7 +458,8 @@ class Fleet:
 
     def pull(self, name: str, rank: int = 0) -> Any:
         """Copy the value of ``name`` from one rank's namespace (tensors to CPU)."""
-        (target,) = self.targets([rank])
+        with self.command():
+            (target,) = self.targets([rank])
         try:
             reply = self.client[self.member(target).engine_id].apply_async(engine.pull, name).get()
         except Exception as exc:  # the value cannot travel back (not picklable: a lock, an open file, ...)
@@ -418,7 +470,8 @@ class Fleet:
 
     def push(self, **values: Any) -> None:
         """Set ``values`` in every rank's namespace."""
-        self.targets(None)
+        with self.command():
+            self.targets(None)
         try:
             self.client[self.engine_ids()].apply_async(engine.push, values).get()
         except Exception as exc:  # a value that cannot travel (not picklable: a lock, a generator, ...)

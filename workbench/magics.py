@@ -159,6 +159,13 @@ class WorkbenchMagics(Magics):
             Write the recorded --setup cells and the last training cell as one script
             that runs unchanged under torchrun --nproc-per-node N and accelerate launch
             (with --launcher slurm, also PATH.sbatch with the fleet's Slurm options).
+        %fleet park [--if-nothing-lost]
+            Checkpoint what a rescale keeps, stop every engine (their GPUs are free) and
+            remember the size; the next cell (or %fleet unpark) starts the engines, replays
+            the --setup cells and restores. Names on rank 0 that no setup cell makes are
+            listed (they are lost). %fleet start --park-after 30m parks by itself.
+        %fleet unpark
+            Bring a parked fleet back now.
         %fleet stop
             Stop every engine and the controller.
         """
@@ -166,7 +173,7 @@ class WorkbenchMagics(Magics):
         if args is None:  # -h: help printed
             return None
         if args.command is None:
-            raise UsageError("%fleet needs a command: start, status, stacks, scale, recover, replace, tune, pull, push, export or stop "
+            raise UsageError("%fleet needs a command: start, status, stacks, park, unpark, scale, recover, replace, tune, pull, push, export or stop "
                              "(see %fleet?)")
         if args.command == "start":
             if self.session.current_fleet() is not None:
@@ -190,7 +197,13 @@ class WorkbenchMagics(Magics):
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         if args.command == "status":
-            print(status_table(fleet.status()))
+            if fleet.parked is not None:
+                parked = fleet.parked
+                print(f"parked since {time.strftime('%H:%M:%S', time.localtime(parked.since))}: {parked.world} ranks, "
+                      f"state in checkpoint {parked.tag!r}; the next cell or %fleet unpark brings it back")
+            else:
+                print(status_table(fleet.status()))
+            print(fleet.usage.line(fleet.world_size, fleet.device_type))
             tuned = {k: v for k, v in fleet.cell_defaults.to_dict().items() if v != getattr(CellOptions(), k)}
             if tuned:
                 print("cell defaults (from %fleet tune): " + " ".join(f"--{k.replace('_', '-')} {v}"
@@ -200,6 +213,10 @@ class WorkbenchMagics(Magics):
                 print(f"spares: {len(spares['ready'])} warm"
                       + (f" (engine {', '.join(str(s['engine']) for s in spares['ready'])})" if spares["ready"] else "")
                       + (f", {spares['starting']} starting" if spares["starting"] else ""))
+        elif args.command == "park":
+            fleet.park(anyway=args.anyway)
+        elif args.command == "unpark":
+            fleet.unpark()
         elif args.command == "stacks":
             print(fleet.stacks(native=args.native, everything=args.everything))
         elif args.command == "scale":

@@ -122,3 +122,4 @@ class PanelState(TypedDict):
     backend: NotRequired[str]
     run_dir: NotRequired[str]
     needs_recover: NotRequired[bool]
+    parked: NotRequired[dict | None]  # %fleet park: {"world": ranks it had, "tag": its checkpoint, "since": time}

@@ -53,6 +53,20 @@ def _choice(value, choices: tuple[str, ...], what: str) -> None:
         raise OptionsError(f"unknown {what} {value!r}; use one of: {', '.join(choices)}")
 
 
+def parse_duration(text, what: str = "--park-after") -> float:
+    """``"30m"``, ``"2h"``, ``"90s"`` or a number of seconds -> seconds."""
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    raw = str(text).strip().lower()
+    number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in units else (raw, "s")
+    try:
+        seconds = float(number) * units[unit]
+    except ValueError:
+        raise OptionsError(f"{what} takes a time like 30m, 2h or 90s (got {text!r})") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise OptionsError(f"{what} must be a positive time (got {text!r})")
+    return seconds
+
+
 def parse_size(text, what: str = "--memory-limit") -> int | None:
     """``"4G"``, ``"512M"``, ``"2GiB"`` or a number of bytes → bytes (None stays None)."""
     if text is None:
@@ -270,6 +284,11 @@ class FleetOptions:
     """attach to a running ipcluster of this profile"""
     cluster_id: str | None = flag(None, metavar="ID")
     """attach to the running ipcluster with this id"""
+    park_after: str | float | None = flag(None, metavar="TIME")
+    """park the fleet after this long without a command, e.g. 30m (engines stopped, GPUs free; the next cell
+    brings it back); not when rank 0 holds names no setup cell makes, unless --park-anyway"""
+    park_anyway: bool = False
+    """--park-after parks even when rank 0 holds names that no setup cell makes (they are lost)"""
     progress: bool = flag(True, api_only=True)
     """show a progress line while the fleet starts, scales and recovers"""
 
@@ -301,6 +320,8 @@ class FleetOptions:
         """Raise :class:`OptionsError` for a value that cannot work (one line, nothing started)."""
         if self.backend is not None and self.backend not in BACKENDS and ":" not in self.backend:
             raise OptionsError(f"unknown backend {self.backend!r}; use one of: {', '.join(BACKENDS)}")
+        if self.park_after is not None:
+            parse_duration(self.park_after)
         if self.pg_timeout <= 0:
             raise OptionsError(f"--pg-timeout must be a positive number of seconds (got {self.pg_timeout})")
         _whole(self.max_restarts, "--max-restarts", 0)

@@ -141,6 +141,7 @@ export class WorkbenchPanel extends Widget {
       ['scale', 'Scale', '%fleet scale RANKS (keeps the training state)'],
       ['interrupt', 'Interrupt', 'interrupt the kernel: the running cell stops on every rank'],
       ['recover', 'Recover', '%fleet recover: replace dead engines, replay the setup cells, restore the state'],
+      ['unpark', 'Unpark', '%fleet unpark: start the parked fleet\'s engines again and restore its state'],
       ['stop', 'Stop', '%fleet stop']
     ]) {
       const button = element('button', 'jp-mod-styled wb-button', text);
@@ -200,6 +201,7 @@ export class WorkbenchPanel extends Widget {
       start: (loaded ? '' : '%load_ext workbench\n') + `%fleet start -n ${n}`,
       scale: `%fleet scale ${n}`,
       recover: '%fleet recover',
+      unpark: '%fleet unpark',
       stop: '%fleet stop',
       save: '%checkpoint save'
     };
@@ -295,9 +297,11 @@ export class WorkbenchPanel extends Widget {
     const notebook = this._connection.notebook?.context.path ?? '';
     let text = STATUS_TEXT[status];
     if (state) {
-      text = running
-        ? `${notebook}: ${state.world_size} ranks (${state.backend}), run ${state.run}`
-        : `${notebook}: no fleet running` + (state.run ? ` (last run ${state.run})` : '');
+      text = state.parked
+        ? `${notebook}: parked (${state.parked.world} ranks, state in ${state.parked.tag}; the next cell brings it back), run ${state.run}`
+        : running
+          ? `${notebook}: ${state.world_size} ranks (${state.backend}), run ${state.run}`
+          : `${notebook}: no fleet running` + (state.run ? ` (last run ${state.run})` : '');
     }
     const waiting = [...this._pending].map(c => c.split('\n').pop());
     if (waiting.length) {
@@ -307,6 +311,7 @@ export class WorkbenchPanel extends Widget {
     }
     this._status.textContent = text;
     this._status.dataset.running = String(running);
+    this._status.dataset.parked = String(!!state?.parked);
     this._status.dataset.connection = status;
     this._updateButtons();
     const busy = waiting.length > 0;
@@ -342,9 +347,11 @@ export class WorkbenchPanel extends Widget {
     const running = !!state?.running;
     const busy = this._pending.size > 0;
     const broken = !!state?.needs_recover || (state?.engines ?? []).some(e => e.state === 'dead');
+    const parked = !!state?.parked;
     const can: Record<string, boolean> = {
       start: (status === 'not-loaded' || (status === 'connected' && !running)) && !busy,
       scale: running && !busy,
+      unpark: parked && !busy,
       interrupt: status !== 'no-notebook' && status !== 'no-kernel' && (busy || this._connection.kernelBusy),
       recover: running && !busy && broken,
       stop: running && !busy,

@@ -35,6 +35,7 @@ export interface IFleetState {
   spares: { ready: number; starting: number };
   checkpoints: ICheckpoint[];
   needs_recover?: boolean; // a rank was replaced by a fresh engine: %fleet recover next
+  parked?: { world: number; tag: string; since: number } | null; // %fleet park: no engines until unparked
 }
 
 /** [rank, step, time, scalars, samples_per_s] */
