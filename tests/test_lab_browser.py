@@ -261,6 +261,8 @@ def _panel_walkthrough(lab, page):
     assert not (root / "workbench-runs").exists()
     assert runs.first.get_attribute("data-run") == run_id
     # from the run's run.json: named after the notebook, stopped, how long, its final loss
+    page.wait_for_function("document.querySelector('.wb-runs button').textContent.includes('stopped')",
+                           timeout=15_000)
     assert re.match(r"01_quickstart · stopped · \d+(m\d\ds|s) · loss [0-9.e+-]+ · \d+ checkpoints$",
                     runs.first.text_content()), runs.first.text_content()
     runs.first.click()

@@ -241,8 +241,12 @@ export class WorkbenchPanel extends Widget {
       this._addPoints(msg.points);
       this._scheduleCharts();
     } else {
+      const stopped = !!this._state?.running && !msg.running;
       this._state = msg;
       this._render();
+      if (stopped) {
+        void this._refreshRuns(); // its record now says stopped, with a duration
+      }
     }
   }
 
