@@ -229,6 +229,14 @@ class Fleet:
             deadline = time.monotonic() + CELL_STOP_WAIT_S
             while self.cell_thread is not None and time.monotonic() < deadline:
                 time.sleep(0.05)
+        locked = self.command_lock.acquire(timeout=CELL_STOP_WAIT_S)  # an auto-park under way ends first
+        try:
+            self._stop_processes()
+        finally:
+            if locked:
+                self.command_lock.release()
+
+    def _stop_processes(self) -> None:
         client = self.pool.client
         pids = [m.pid for m in self.pool.members + self.pool.spares]
         if client is not None and self.pool.members:

@@ -159,8 +159,9 @@ class AutoPark:
             idle = time.monotonic() - fleet.last_command_at
             if fleet.parked is not None or not fleet.running or idle < self.after_s or self.skipped:
                 continue
-            with fleet.command_lock:
-                if time.monotonic() - fleet.last_command_at < self.after_s or fleet.parked is not None:
+            with fleet.command_lock:  # waits out a running command; the fleet may be stopping meanwhile
+                if (self._stop.is_set() or not fleet.running or fleet.parked is not None
+                        or time.monotonic() - fleet.last_command_at < self.after_s):
                     continue
                 try:
                     park(fleet, anyway=self.anyway)
