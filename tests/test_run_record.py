@@ -15,6 +15,7 @@ from workbench.run_record import read
 
 
 def _record(fleet) -> dict:
+    fleet.record.flush()  # written at most every 2 s while cells run
     with open(os.path.join(fleet.run_dir, "run.json")) as f:
         return json.load(f)
 
