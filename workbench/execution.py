@@ -23,7 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from . import rendezvous
-from .errors import WorkbenchError
+from .errors import FleetError, WorkbenchError
 from .messages import CellReply
 from .notices import debug, notice
 from .output import RankOutput, last_line
@@ -294,8 +294,6 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
             else:
                 stopper.hurry()
     if fleet.stop_requested.is_set():
-        from .errors import FleetError
-
         raise FleetError("the fleet was stopped from another thread while this cell ran (Fleet.stop()); "
                          "every rank was stopped")
     logged = title is not None and fleet.rank_logs is not None

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from . import rendezvous
 from .errors import FleetError
 from .notices import notice
 
@@ -109,18 +110,12 @@ def park(fleet, anyway: bool = True) -> Parked:
     started, world = time.monotonic(), fleet.world_size
     tag = fleet.checkpoints.save(tag=f"park-{fleet.generation}")
     fleet.usage.count(world)
-    fleet.client[fleet.engine_ids()].apply_async(_leave).get()
+    fleet.client[fleet.engine_ids()].apply_async(rendezvous.leave).get()
     fleet.pool.remove_ranks(list(range(world)))
     fleet.parked = Parked(world, tag, time.time(), lost)
     notice(f"parked {world} ranks in {time.monotonic() - started:.1f} s (state in checkpoint {tag!r}"
            + (f"; not kept: {', '.join(lost)}" if lost else "") + "); the next cell or %fleet unpark brings it back")
     return fleet.parked
-
-
-def _leave() -> None:
-    from .rendezvous import leave
-
-    leave()
 
 
 def unpark(fleet) -> dict:

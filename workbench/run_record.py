@@ -4,7 +4,8 @@ Name, notebook, start and end, status (running / stopped / crashed), the fleet's
 cell (flags, ranks, start, end, status), the final value of every logged scalar, and the user's
 config (``workbench.config(lr=3e-4)`` on a rank or in the kernel). Rewritten atomically at the
 start and at stop, and after cells at most every WRITE_EVERY_S (rewriting it after every cell
-cost an empty cell 5-10 ms); a run whose owner died while it was ``running`` reads as ``crashed``. The same config goes to wandb (:class:`~workbench.metrics.wandb_sink.WandbSink`).
+cost an empty cell 5-10 ms); a run whose owner died while it was ``running`` reads as
+``crashed``. The same config goes to wandb and TensorBoard's HParams (:meth:`Fleet.record_config`).
 """
 
 from __future__ import annotations
