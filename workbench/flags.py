@@ -234,9 +234,15 @@ def checkpoint_parser() -> MagicParser:
     save.add_argument("--async", dest="async_", action="store_true",
                       help="return once the state is copied; write in the background")
     save.add_argument("--keep-last", type=count, default=None, help="then delete all but the newest K complete checkpoints")
-    sub.add_parser("list", prog="%checkpoint list", add_help=False)
+    save.add_argument("--to", default=None, metavar="DIR|URL",
+                      help="save into this folder or fsspec URL (s3://bucket/prefix) instead of the fleet's")
+    listing = sub.add_parser("list", prog="%checkpoint list", add_help=False)
+    listing.add_argument("folder", nargs="?", default=None, metavar="DIR|URL",
+                         help="list this folder or fsspec URL instead of the fleet's")
     restore = sub.add_parser("restore", prog="%checkpoint restore", add_help=False)
-    restore.add_argument("tag", nargs="?", default="latest", help="TAG, latest (default) or a checkpoint folder")
+    restore.add_argument("tag", nargs="?", default="latest",
+                         help="TAG, latest (default), a checkpoint's folder or URL, or a folder or URL of checkpoints "
+                              "(its newest)")
     rm = sub.add_parser("rm", prog="%checkpoint rm", add_help=False)
     rm.add_argument("tag", help="the checkpoint to delete")
     sub.add_parser("wait", prog="%checkpoint wait", add_help=False)

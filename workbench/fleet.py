@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import cells, elastic, engine, group, parking, rendezvous
 from .checkpoint import api as checkpoint_api
+from .checkpoint import layout as checkpoint_layout
+from .checkpoint import storage as checkpoint_storage
 from .checkpoint.control import Checkpoints
 from .devices import EngineSlot, check_machine_fits, parse_gpu_list, plan_engines
 from .errors import FleetError, OptionsError
@@ -159,6 +161,14 @@ class Fleet:
     def runtime_dir(self) -> str | None:
         return self.processes.runtime_dir
 
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """Where this run's checkpoints go: ``--checkpoint-dir`` (a folder or an fsspec URL), else
+        ``<run>/checkpoints``; None before the first start."""
+        if self.options.checkpoint_dir is not None:
+            return checkpoint_storage.absolute(self.options.checkpoint_dir)
+        return checkpoint_layout.checkpoints_dir(self.run_dir) if self.run_dir is not None else None
+
     def member(self, rank: int) -> Member:
         return self.pool.member(rank)
 
@@ -171,6 +181,8 @@ class Fleet:
         if self.running:
             raise FleetError("this fleet is already running; use it, or stop it first with %fleet stop")
         self.stop_requested.clear()
+        if self.options.checkpoint_dir is not None:
+            checkpoint_storage.store_for(self.options.checkpoint_dir).prepare(self.options.checkpoint_dir)
         started = time.monotonic()
         progress = ProgressLine(self.progress)
         try:
@@ -293,7 +305,8 @@ class Fleet:
     def _join_run(self, engine_ids: list[int]) -> None:
         """New engines join the run: metrics to the collector, checkpoints under the run, memory limit."""
         self.pool.client[engine_ids].apply_async(engine.attach, self.metrics.address, self.run_dir,
-                                                self.memory_limit, self.device_type == "cpu").get()
+                                                self.checkpoint_dir, self.memory_limit,
+                                                self.device_type == "cpu").get()
 
     def adopt_spares(self) -> None:
         """Spare engines that registered since become warm (torch and accelerate imported)."""

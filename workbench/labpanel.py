@@ -84,13 +84,25 @@ class RunsHandler(_RunsHandler):
             for name in os.listdir(self.runs_root):
                 path = os.path.join(self.runs_root, name)
                 if re.fullmatch(RUN_ID, name) and os.path.isdir(path) and self.inside_root(path):
-                    checkpoints = layout.list_checkpoints(os.path.join(path, "checkpoints"), clean=False)
+                    checkpoints = _checkpoints(path)
                     runs.append({"id": name, "modified": os.path.getmtime(path),
                                  "checkpoints": sum(e.state == "complete" for e in checkpoints),
                                  "metrics": os.path.isfile(os.path.join(path, "metrics.jsonl")),
                                  **_summary(run_record.read(path))})
         runs.sort(key=lambda r: r["modified"], reverse=True)
         self.send({"root": self.runs_root, "runs": runs})
+
+
+def _checkpoints(run_dir: str) -> list:
+    """The checkpoints of a past run: in its folder, or where its record says they went
+    (``--checkpoint-dir``); none when that storage cannot be reached."""
+    record = run_record.read(run_dir) or {}
+    options = record.get("options") if isinstance(record.get("options"), dict) else {}
+    folder = options.get("checkpoint_dir") if isinstance(options.get("checkpoint_dir"), str) else None
+    try:
+        return layout.list_checkpoints(folder or os.path.join(run_dir, "checkpoints"), clean=False)
+    except Exception:  # noqa: BLE001 - storage unreachable (or its library missing) from this server
+        return []
 
 
 def _summary(record: dict | None) -> dict:
@@ -107,9 +119,8 @@ def _summary(record: dict | None) -> dict:
 class CheckpointsHandler(_RunsHandler):
     @web.authenticated
     def get(self, run_id: str):
-        folder = os.path.join(self.run_dir(run_id), "checkpoints")
         rows = []
-        for entry in layout.list_checkpoints(folder, clean=False):
+        for entry in _checkpoints(self.run_dir(run_id)):
             row = {"tag": entry.tag, "state": entry.state}
             if entry.manifest is not None:
                 m = entry.manifest

@@ -302,17 +302,19 @@ class WorkbenchMagics(Magics):
     def checkpoint(self, line: str):
         """Sharded checkpoints of every rank's prepared objects (torch.distributed.checkpoint).
 
-        %checkpoint save [--tag NAME] [--async] [--keep-last K]
+        %checkpoint save [--tag NAME] [--async] [--keep-last K] [--to DIR|URL]
             Save models, optimizers, schedulers, dataloader positions, RNG states,
             workbench.step and registered objects; each rank writes its own shard.
             The tag defaults to step-<workbench.step>. --async returns once the
             state is copied and writes in the background; --keep-last K then
-            deletes all but the newest K complete checkpoints.
-        %checkpoint list
+            deletes all but the newest K complete checkpoints; --to saves into
+            another folder or an fsspec URL (s3://bucket/prefix).
+        %checkpoint list [DIR|URL]
             Table: tag, step, world size, strategy, size, time, state.
-        %checkpoint restore [TAG|latest|PATH]
+        %checkpoint restore [TAG|latest|PATH|URL]
             Load into the prepared objects with the same names on every rank,
-            also into a different world size (resharding). Default: latest.
+            also into a different world size (resharding). Default: latest. A
+            folder or URL of checkpoints restores its newest.
         %checkpoint rm TAG
             Delete a checkpoint.
         %checkpoint wait
@@ -322,8 +324,10 @@ class WorkbenchMagics(Magics):
             fleet's model, safetensors shards, as save_pretrained writes them), assembled
             on the CPU in a process of its own; from_pretrained(DIR) loads it.
 
-        Checkpoints live in ./workbench-runs/<run-id>/checkpoints/<tag>/; a save is
-        atomic (written to a temporary folder, committed by a manifest and a rename).
+        Checkpoints live in ./workbench-runs/<run-id>/checkpoints/<tag>/, or under
+        %fleet start --checkpoint-dir DIR|URL. A save is atomic: written to a temporary
+        folder, committed by a manifest and a rename; on object storage (S3...) written
+        in place and committed by its manifest, written last.
         """
         args = checkpoint_parser().parse_line(line)
         if args is None:  # -h: help printed
@@ -335,11 +339,11 @@ class WorkbenchMagics(Magics):
             raise UsageError("no fleet is running; start one with %fleet start -n 2 and run your setup cells first")
         checkpoints = fleet.checkpoints
         if args.command == "save":
-            tag = checkpoints.save(args.tag, async_=args.async_, keep_last=args.keep_last)
+            tag = checkpoints.save(args.tag, async_=args.async_, keep_last=args.keep_last, to=args.to)
             how = "is being written in the background" if args.async_ else "saved"
-            print(f"checkpoint {tag!r} {how} ({checkpoints.folder})")
+            print(f"checkpoint {tag!r} {how} ({args.to or checkpoints.folder})")
         elif args.command == "list":
-            print(checkpoints.table())
+            print(checkpoints.table(args.folder))
         elif args.command == "restore":
             print(_restored_line(checkpoints.restore(args.tag)))
         elif args.command == "rm":

@@ -67,14 +67,34 @@ def snapshot() -> PanelState:
                      parked={"world": fleet.parked.world, "tag": fleet.parked.tag, "since": fleet.parked.since}
                      if fleet.parked is not None else None)
     if metrics is not None:
-        folder = layout.checkpoints_dir(metrics.run_dir)
-        for entry in layout.list_checkpoints(folder, clean=False):
+        folder = fleet.checkpoint_dir if fleet is not None else layout.checkpoints_dir(metrics.run_dir)
+        for entry in _checkpoints(folder):
             row = {"tag": entry.tag, "state": entry.state}
             if entry.manifest is not None:
                 row.update(step=entry.manifest.step, world_size=entry.manifest.world_size,
                            strategy=entry.manifest.strategy, created=entry.manifest.created)
             state["checkpoints"].append(row)
     return state
+
+
+REMOTE_LISTING_EVERY_S = 10.0  # the panel lists an object store's checkpoints this often at most
+_remote_listing: dict[str, tuple[float, list]] = {}
+
+
+def _checkpoints(folder: str) -> list:
+    """The checkpoints in ``folder``; an object store's listing (several requests) is reused for a while."""
+    from .checkpoint import layout, storage
+
+    if not storage.is_url(folder):
+        return layout.list_checkpoints(folder, clean=False)
+    listed_at, entries = _remote_listing.get(folder, (0.0, []))
+    if time.monotonic() - listed_at > REMOTE_LISTING_EVERY_S:
+        try:
+            entries = layout.list_checkpoints(folder, clean=False)
+        except Exception:  # noqa: BLE001 - unreachable storage: the panel shows none rather than failing
+            entries = []
+        _remote_listing[folder] = (time.monotonic(), entries)
+    return entries
 
 
 def _engine_row(member, stream, slow: float | None = None) -> EngineRow:

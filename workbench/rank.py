@@ -21,7 +21,8 @@ class RankState:
         self.pg_sockets: set = set()  # (local, remote) addresses of the group's connections
         self.group = None  # the default process group workbench made (user code may destroy or replace it)
         self.cells = 0
-        self.run_dir: str | None = None  # the fleet run's folder (checkpoints live under it)
+        self.run_dir: str | None = None  # the fleet run's folder
+        self.checkpoint_dir: str | None = None  # where checkpoints go: a folder or an fsspec URL
         self.in_user_code = False
         self.memory_limit: int | None = None  # bytes (--memory-limit)
 

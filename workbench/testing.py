@@ -13,7 +13,7 @@ _GATE_WRITES = """
 import os, time
 import torch.distributed.checkpoint.filesystem as _fs
 import workbench.checkpoint.writer as _helper
-for _cls in (_fs.FileSystemWriter, _helper.HelperWriter):  # sync saves, async saves
+for _cls in (_fs.FileSystemWriter, _helper.HelperWrites):  # sync saves, async saves
     if "_workbench_gate" not in vars(_cls):
         def _gated(self, plan, planner, _gate={gate!r}, _original=_cls.write_data):
             while not os.path.exists(_gate):
@@ -25,7 +25,7 @@ for _cls in (_fs.FileSystemWriter, _helper.HelperWriter):  # sync saves, async s
 _UNGATE_WRITES = """
 import torch.distributed.checkpoint.filesystem as _fs
 import workbench.checkpoint.writer as _helper
-for _cls in (_fs.FileSystemWriter, _helper.HelperWriter):
+for _cls in (_fs.FileSystemWriter, _helper.HelperWrites):
     if "_workbench_gate" in vars(_cls):
         _cls.write_data = _cls._workbench_gate
         del _cls._workbench_gate
@@ -112,3 +112,62 @@ class BusyMachine:
             proc.kill()
         for proc in self.procs:
             proc.wait()
+
+
+class LocalS3:
+    """An S3-compatible server on 127.0.0.1 (moto's, from PyPI) for tests and benchmarks, with
+    the AWS environment pointing at it (inherited by engines started inside the block) and one
+    bucket; ``with LocalS3("ckpt") as s3: s3.url("run1")`` is ``s3://ckpt/run1``."""
+
+    ENVIRONMENT = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+
+    def __init__(self, bucket: str) -> None:
+        self.bucket = bucket
+        self.process = None
+        self._saved_environment: dict = {}
+
+    def url(self, *names: str) -> str:
+        return "/".join([f"s3://{self.bucket}", *names])
+
+    def __enter__(self) -> "LocalS3":
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._saved_environment = {key: os.environ.get(key) for key in self.ENVIRONMENT}
+        os.environ.update(AWS_ACCESS_KEY_ID="workbench-test", AWS_SECRET_ACCESS_KEY="workbench-test-secret",
+                          AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+        import boto3
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                boto3.client("s3").create_bucket(Bucket=self.bucket)
+                return self
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.__exit__()
+                    raise RuntimeError("the local S3 server (moto) did not start") from None
+                time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+        for key, value in self._saved_environment.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        import sys
+
+        from .checkpoint.storage import _filesystem
+
+        _filesystem.cache_clear()  # their clients point at this server
+        if "s3fs" in sys.modules:
+            sys.modules["s3fs"].S3FileSystem.clear_instance_cache()

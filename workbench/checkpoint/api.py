@@ -18,7 +18,6 @@ keep busy the write takes the time training leaves idle, and never the rank's GI
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import secrets
 import time
 
@@ -28,6 +27,7 @@ from ..rank import namespace
 from . import layout
 from .failures import describe, explain
 from .state import REGISTERED, CheckpointState
+from .storage import absolute, join, store_for
 
 
 def _failure_types() -> tuple:
@@ -188,30 +188,32 @@ def _broadcast(value, group, rank: int):
 
 
 def save(tag: str | None = None, *, async_: bool = False, keep_last: int | None = None,
-         strategy: str | None = None) -> str:
+         strategy: str | None = None, to: str | None = None) -> str:
     """Save a checkpoint of this rank's prepared objects; every rank must call it.
 
     ``tag`` defaults to ``step-<workbench.step>``. With ``async_``, returns at once:
     the state is copied in the background before the next optimizer step changes it,
     then written at low priority; a later save waits for it, and an error is reported
     at the next call or cell. ``keep_last`` K: then delete all but the newest K complete
-    checkpoints. Returns the tag.
+    checkpoints. ``to``: a folder or fsspec URL (``s3://bucket/prefix``) to save into instead of
+    the fleet's checkpoint folder. Returns the tag.
     """
     retention = layout.Retention(keep_last) if keep_last is not None else None
-    return _save(tag, async_, retention, strategy)
+    return _save(tag, async_, retention, strategy, to)
 
 
-def _save(tag: str | None, async_: bool, retention: layout.Retention | None, strategy: str | None = None) -> str:
+def _save(tag: str | None, async_: bool, retention: layout.Retention | None, strategy: str | None = None,
+          to: str | None = None) -> str:
     rank_state, spec, logger = _context()
     wait()  # one save at a time; a failed background save is reported here
     import torch.distributed as dist
-    from torch.distributed.checkpoint import FileSystemWriter, async_save
+    from torch.distributed.checkpoint import async_save
     from torch.distributed.checkpoint import save as dcp_save
 
     _FAILURES = _failure_types()
     group = _group(spec)
     tag = layout.check_tag(tag) if tag is not None else f"step-{logger.step}"
-    folder = layout.checkpoints_dir(rank_state.run_dir)
+    folder = absolute(to) if to is not None else rank_state.checkpoint_dir
     tmp = layout.own_folder(folder, tag, spec.generation, logger.step) if async_ else _agreed_folder(folder, tag, spec, group)
     layout.mark_writer(tmp)
     state = CheckpointState(namespace(), spec.rank, logger.step)
@@ -221,9 +223,7 @@ def _save(tag: str | None, async_: bool, retention: layout.Retention | None, str
         from . import writer as writer_process
 
         writer_process.start()
-        writer = writer_process.HelperWriter(tmp, thread_count=1)
-    else:
-        writer = FileSystemWriter(tmp, thread_count=1)
+    writer = store_for(folder).storage_writer(tmp, in_helper=async_)
     state_dict: dict = {}
     try:
         state_dict = state.state_dict()
@@ -236,7 +236,7 @@ def _save(tag: str | None, async_: bool, retention: layout.Retention | None, str
         layout.unmark_writer(tmp)
         layout.discard(tmp, spec.rank)
         raise CheckpointError(f"checkpoint {tag!r} was not saved: {reason}") from None
-    final = os.path.join(folder, tag)
+    final = join(folder, tag)
     if not async_:
         if spec.rank != 0:  # rank 0's mark goes with the commit, so the folder is never seen as abandoned
             layout.unmark_writer(tmp)
@@ -276,10 +276,7 @@ def _agreed_folder(folder: str, tag: str, spec, group) -> str:
     decision = None
     if spec.rank == 0:
         try:
-            layout.check_new(folder, tag)
-            tmp = os.path.join(folder, f"{layout.TMP_PREFIX}{tag}-{secrets.token_hex(3)}")
-            os.mkdir(tmp, 0o700)
-            decision = {"tmp": tmp}
+            decision = {"tmp": layout.agreed_folder(folder, tag, secrets.token_hex(3))}
         except OSError as exc:
             decision = {"error": f"cannot write checkpoints to {folder}: {exc.strerror or exc}"}
         except CheckpointError as exc:
@@ -314,7 +311,8 @@ def maybe_save(every: int, *, async_: bool = True, keep_last: int | None = MAYBE
 
 
 def restore(tag: str = "latest") -> Restored:
-    """Load checkpoint ``tag`` ('latest', a tag, or a folder) into this rank's prepared objects.
+    """Load checkpoint ``tag`` ('latest', a tag, a checkpoint's folder or URL, or a folder or URL
+    of checkpoints: its newest) into this rank's prepared objects.
 
     Works into a different world size (DCP reshards). Returns what was restored.
     """
@@ -325,7 +323,7 @@ def restore(tag: str = "latest") -> Restored:
     from .safe_io import safe_planner, safe_reader
 
     _FAILURES = _failure_types()
-    path = layout.resolve(layout.checkpoints_dir(rank_state.run_dir), tag)
+    path = layout.resolve(rank_state.checkpoint_dir, tag)
     manifest = layout.read_manifest(path)
     reader = safe_reader(path)
     metadata = reader.read_metadata()

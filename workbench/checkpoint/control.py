@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import time
 
 from .. import engine, execution
 from ..errors import CheckpointError
-from . import api, hf_export, layout, replica
+from . import api, hf_export, layout, replica, storage
 from .failures import OS_REASONS
 
 EXPORT_TIMEOUT_S = 3600.0
@@ -29,9 +28,10 @@ class Checkpoints:
 
     @property
     def folder(self) -> str:
-        if self.fleet.run_dir is None:
+        """Where the fleet's checkpoints go (a folder or an fsspec URL)."""
+        if self.fleet.checkpoint_dir is None:
             raise CheckpointError("no fleet is running; start one with %fleet start -n 2")
-        return layout.checkpoints_dir(self.fleet.run_dir)
+        return self.fleet.checkpoint_dir
 
     def _on_every_rank(self, fn, *args, **kwargs) -> list:
         ranks = self.fleet.targets(None)
@@ -44,16 +44,22 @@ class Checkpoints:
             raise
         return result.values()
 
-    def save(self, tag: str | None = None, *, async_: bool = False, keep_last: int | None = None) -> str:
-        """Save a checkpoint on every rank; returns its tag (at once for ``async_``)."""
+    def save(self, tag: str | None = None, *, async_: bool = False, keep_last: int | None = None,
+             to: str | None = None) -> str:
+        """Save a checkpoint on every rank; returns its tag (at once for ``async_``). ``to``: a
+        folder or fsspec URL to save into instead of the fleet's checkpoint folder."""
         if tag is not None:
             layout.check_tag(tag)
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"--keep-last must be at least 1 (got {keep_last})")
-        return self._on_every_rank(api.save, tag, async_=async_, keep_last=keep_last)[0]
+        if to is not None:
+            to = storage.absolute(to)
+            storage.store_for(to).prepare(to)  # a missing bucket or a bad URL: one line, before the ranks
+        return self._on_every_rank(api.save, tag, async_=async_, keep_last=keep_last, to=to)[0]
 
-    def list(self) -> list[layout.Entry]:
-        return layout.list_checkpoints(self.folder)
+    def list(self, folder: str | None = None) -> list[layout.Entry]:
+        """The checkpoints in the fleet's folder (or in ``folder``: a folder or an fsspec URL)."""
+        return layout.list_checkpoints(storage.absolute(folder) if folder else self.folder)
 
     def restore(self, tag: str = "latest") -> dict:
         """Restore ``tag`` ('latest', a tag or a folder) on every rank; returns rank 0's report."""
@@ -100,12 +106,13 @@ class Checkpoints:
             raise CheckpointError(f"no checkpoint named {tag!r}; complete checkpoints: {known}")
         if entry.state == "writing":
             raise CheckpointError(f"checkpoint {tag!r} is still being written; wait for it, then rm it")
-        shutil.rmtree(entry.path)
+        storage.store_for(entry.path).rmtree(entry.path)
 
-    def table(self) -> str:
-        entries = self.list()
+    def table(self, folder: str | None = None) -> str:
+        """``%checkpoint list``: the checkpoints of the fleet's folder (or of ``folder``) as a table."""
+        entries = self.list(folder)
         if not entries:
-            return f"no checkpoints yet in {self.folder}; save one with %checkpoint save"
+            return f"no checkpoints yet in {folder or self.folder}; save one with %checkpoint save"
         rows = [["tag", "step", "world size", "strategy", "size", "time", "state"]]
         for entry in entries:
             m = entry.manifest

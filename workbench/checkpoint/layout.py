@@ -1,10 +1,13 @@
-"""On disk: ``<run>/checkpoints/<tag>/`` with DCP shards and ``manifest.json``.
+"""On disk: ``<run>/checkpoints/<tag>/`` (or ``<--checkpoint-dir>/<tag>/``) with DCP shards
+and ``manifest.json``.
 
 A save writes into ``checkpoints/.tmp-<tag>-<nonce>/``; when every rank has
 written its shard, rank 0 writes ``manifest.json`` (step, world size,
 strategy, time, file list with sizes, ``complete: true``), fsyncs it and the
 folder, and renames the folder to ``checkpoints/<tag>``. Only such folders are
 listed or restored; a ``.tmp-`` folder whose writers are gone is removed.
+On an object store (:mod:`.storage`) the save writes into ``<tag>/`` itself and
+the manifest is the commit.
 """
 
 from __future__ import annotations
@@ -12,15 +15,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import time
 from dataclasses import asdict, dataclass, field
 
 from ..errors import CheckpointError
+from .safe_io import referenced_files
+from .storage import MANIFEST, TMP_PREFIX, WRITERS, basename, is_url, join, store_for  # noqa: F401 - part of the layout
 
-MANIFEST = "manifest.json"
-WRITERS = ".writers"  # in a folder being written: one empty file per writer process, named by pid
-TMP_PREFIX = ".tmp-"
 FORMAT = 1
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -64,59 +64,30 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _files(folder: str) -> dict[str, int]:
-    found = {}
-    for root, _dirs, names in os.walk(folder):
-        for name in names:
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, folder)
-            if rel != MANIFEST and not rel.startswith(WRITERS + os.sep):
-                found[rel] = os.path.getsize(full)
-    return found
-
-
 def commit(tmp: str, final: str, manifest: Manifest) -> None:
-    """Write the manifest last (fsynced), then rename the folder into place."""
-    if os.path.exists(final):
+    """Write the manifest last, making ``tmp`` the complete checkpoint ``final``."""
+    store = store_for(final)
+    if store.exists(join(final, MANIFEST)) or (final != tmp and store.exists(final)):
         raise CheckpointError(f"checkpoint {manifest.tag!r} already exists; pick another --tag or rm it first")
-    for name in _files(tmp):
-        os.chmod(os.path.join(tmp, name), 0o600)  # torch writes the shards with the process umask
-        with open(os.path.join(tmp, name), "rb") as f:
-            os.fsync(f.fileno())
-    manifest.files = _files(tmp)
-    path = os.path.join(tmp, MANIFEST)
-    fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(manifest), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
-    shutil.rmtree(os.path.join(tmp, WRITERS), ignore_errors=True)
-    _fsync_dir(tmp)
-    os.rename(tmp, final)
-    _fsync_dir(os.path.dirname(final))
+
+    def manifest_text(files: dict[str, int]) -> str:
+        manifest.files = files
+        return json.dumps(asdict(manifest), indent=1)
+
+    store.commit(tmp, final, referenced_files(tmp), manifest_text)
 
 
 def read_manifest(path: str) -> Manifest:
     """The manifest of a checkpoint folder, checked against the files; CheckpointError if unusable."""
-    name = os.path.basename(path.rstrip("/"))
-    manifest_path = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
+    store = store_for(path)
+    name = basename(path)
+    manifest_path = join(path, MANIFEST)
+    if not store.isdir(path):
         raise CheckpointError(f"no checkpoint folder at {path}")
-    if not os.path.exists(manifest_path):
+    if not store.exists(manifest_path):
         raise CheckpointError(f"checkpoint {name!r} is incomplete (no {MANIFEST}): it was never committed")
     try:
-        with open(manifest_path) as f:
-            data = json.load(f)
-        manifest = Manifest(**data)
+        manifest = Manifest(**json.loads(store.read_text(manifest_path)))
     except RecursionError:
         raise CheckpointError(f"checkpoint {name!r} is corrupt: its {MANIFEST} is nested too deeply to read") from None
     except (OSError, ValueError, TypeError) as exc:
@@ -126,13 +97,13 @@ def read_manifest(path: str) -> Manifest:
         raise CheckpointError(f"checkpoint {name!r} is corrupt: its {MANIFEST} {problem}")
     if not manifest.complete:
         raise CheckpointError(f"checkpoint {name!r} is incomplete (its manifest says so)")
+    present = store.files(path)
     for rel, size in manifest.files.items():
-        full = os.path.join(path, rel)
-        if not os.path.exists(full):
+        if rel not in present:
             raise CheckpointError(f"checkpoint {name!r} is corrupt: {rel} is missing")
-        if os.path.getsize(full) != size:
+        if present[rel] != size:
             raise CheckpointError(
-                f"checkpoint {name!r} is corrupt: {rel} has {os.path.getsize(full)} bytes, the manifest says {size}"
+                f"checkpoint {name!r} is corrupt: {rel} has {present[rel]} bytes, the manifest says {size}"
             )
     return manifest
 
@@ -166,37 +137,30 @@ def _manifest_problem(m: Manifest) -> str | None:
     return None
 
 
-def _writers_alive(tmp: str) -> bool:
-    import psutil
-
-    try:
-        pids = [int(name) for name in os.listdir(os.path.join(tmp, WRITERS))]
-    except (OSError, ValueError):
-        # not marked yet: the save has just started, unless the folder is old
-        try:
-            return time.time() - os.path.getmtime(tmp) < 60
-        except OSError:  # gone since it was listed: committed (renamed) or removed by rank 0
-            return False
-    return any(psutil.pid_exists(pid) for pid in pids)
+def _pending_tag(name: str, path: str, store) -> str | None:
+    """The tag of a save not yet committed in folder ``name``, or None for a committed one."""
+    if name.startswith(TMP_PREFIX):
+        return name[len(TMP_PREFIX):].rsplit("-", 1)[0]
+    if store.remote and not store.exists(join(path, MANIFEST)):
+        return name  # an object store's save writes into <tag>/ until its manifest is there
+    return None
 
 
 def list_checkpoints(folder: str, clean: bool = True) -> list[Entry]:
     """Complete checkpoints (oldest first, by step then time), then ones still being written.
 
-    With ``clean``, temporary folders whose writers are gone are removed.
+    With ``clean``, unfinished saves whose writers are gone are removed.
     """
-    if not os.path.isdir(folder):
-        return []
+    store = store_for(folder)
     complete, writing = [], []
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        if not os.path.isdir(path):
-            continue
-        if name.startswith(TMP_PREFIX):
-            if _writers_alive(path):
-                writing.append(Entry(name[len(TMP_PREFIX):].rsplit("-", 1)[0], path, "writing"))
+    for name in store.subfolders(folder):
+        path = join(folder, name)
+        pending = _pending_tag(name, path, store)
+        if pending is not None:
+            if store.writers_alive(path):
+                writing.append(Entry(pending, path, "writing"))
             elif clean:
-                shutil.rmtree(path, ignore_errors=True)
+                store.rmtree(path)
             continue
         try:
             manifest = read_manifest(path)
@@ -208,10 +172,17 @@ def list_checkpoints(folder: str, clean: bool = True) -> list[Entry]:
 
 
 def resolve(folder: str, tag: str) -> str:
-    """The folder of checkpoint ``tag`` ('latest': the newest complete one), or a folder path."""
-    if os.sep in tag and os.path.isdir(tag):
-        read_manifest(tag)
-        return os.path.abspath(tag)
+    """The folder of checkpoint ``tag`` ('latest': the newest complete one), or of a path or URL:
+    a checkpoint's folder, or a folder of checkpoints (its newest)."""
+    if is_url(tag) or (os.sep in tag and os.path.isdir(tag)):
+        path = tag.rstrip("/") if is_url(tag) else os.path.abspath(tag)
+        store = store_for(path)
+        if not store.exists(join(path, MANIFEST)):
+            held = [e for e in list_checkpoints(path, clean=False) if e.state == "complete"]
+            if held:
+                return held[-1].path
+        read_manifest(path)
+        return path
     entries = [e for e in list_checkpoints(folder) if e.state == "complete"]
     if tag == "latest":
         if not entries:
@@ -220,8 +191,8 @@ def resolve(folder: str, tag: str) -> str:
     for entry in entries:
         if entry.tag == tag:
             return entry.path
-    path = os.path.join(folder, tag)
-    if os.path.isdir(path):
+    path = join(folder, tag)
+    if store_for(folder).isdir(path):
         read_manifest(path)  # raises with the reason it is not usable
     known = ", ".join(e.tag for e in entries) or "none yet"
     raise CheckpointError(f"no checkpoint named {tag!r}; complete checkpoints: {known}")
@@ -249,7 +220,7 @@ def retain(folder: str, retention: Retention) -> list[str]:
                 and (not retention.periodic_only or PERIODIC_TAG.fullmatch(e.tag))]
     doomed = complete[:-retention.keep_last]
     for entry in doomed:
-        shutil.rmtree(entry.path, ignore_errors=True)
+        store_for(folder).rmtree(entry.path)
     return [e.tag for e in doomed]
 
 
@@ -257,55 +228,55 @@ def own_folder(folder: str, tag: str, generation: int, step: int) -> str:
     """The temporary folder of a save, named by every rank alike from the tag, the process
     group's generation and the step, without a collective: an async save returns at once
     even when the ranks arrive at it a little apart."""
-    try:
-        check_new(folder, tag)
-        tmp = os.path.join(folder, f"{TMP_PREFIX}{tag}-g{generation}s{step}")
-        os.makedirs(tmp, 0o700, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoints to {folder}: {exc.strerror or exc}") from None
-    return tmp
+    check_new(folder, tag)
+    return store_for(folder).staging(folder, tag, f"g{generation}s{step}")
+
+
+def agreed_folder(folder: str, tag: str, nonce: str) -> str:
+    """Rank 0's temporary folder for a save of ``tag`` (sent to the other ranks)."""
+    check_new(folder, tag)
+    return store_for(folder).staging(folder, tag, nonce)
 
 
 def check_new(folder: str, tag: str) -> None:
     """Make the checkpoints folder; refuse a tag that exists."""
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    if os.path.exists(os.path.join(folder, tag)):
+    store = store_for(folder)
+    store.prepare(folder)
+    if store.exists(join(folder, tag, MANIFEST)) or (not store.remote and store.exists(join(folder, tag))):
         raise CheckpointError(f"checkpoint {tag!r} already exists; pick another --tag, or rm it first")
 
 
 def mark_writer(tmp: str) -> None:
     """This process writes into ``tmp`` (listing never removes a folder with live writers)."""
-    writers = os.path.join(tmp, WRITERS)
-    os.makedirs(writers, exist_ok=True)
-    open(os.path.join(writers, str(os.getpid())), "w").close()
+    store_for(tmp).mark_writer(tmp)
 
 
 def unmark_writer(tmp: str) -> None:
-    try:
-        os.remove(os.path.join(tmp, WRITERS, str(os.getpid())))
-    except OSError:
-        pass
+    store_for(tmp).unmark_writer(tmp)
 
 
 def discard(tmp: str, rank: int) -> None:
     """Rank 0 removes a save's temporary folder."""
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    store = store_for(tmp)
+    if rank == 0 and not (store.remote and store.exists(join(tmp, MANIFEST))):  # never a committed checkpoint
+        store.rmtree(tmp)
 
 
 def commit_on_rank0(rank: int, tmp: str, final: str, manifest: Manifest, folder: str,
                     retention: Retention | None) -> str | None:
-    """Rank 0 commits the save (then applies ``retention``); returns the error, if any."""
+    """Rank 0 commits the save, applies ``retention`` and removes saves that died unfinished;
+    returns the error, if any."""
     if rank != 0:
         return None
     try:
         commit(tmp, final, manifest)
         if retention is not None:
             retain(folder, retention)
+        list_checkpoints(folder, clean=True)
     except CheckpointError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp, rank)
         return str(exc)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp, rank)
         return f"checkpoint {manifest.tag!r} could not be committed: {exc.strerror or exc}"
     return None

@@ -41,10 +41,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def safe_reader(path: str):
-    """A ``FileSystemReader`` for ``path`` whose metadata is unpickled safely."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """DCP's storage reader for ``path`` (a local folder or a URL) whose metadata is unpickled safely."""
+    from .storage import store_for
 
-    class SafeFileSystemReader(FileSystemReader):
+    class SafeFileSystemReader(store_for(path).reader_base()):
         def read_metadata(self, *args, **kwargs):
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -60,6 +60,12 @@ def safe_reader(path: str):
             return metadata
 
     return SafeFileSystemReader(path)
+
+
+def referenced_files(path: str) -> set[str]:
+    """The files of the DCP checkpoint at ``path``: ``.metadata`` and the shards it refers to."""
+    storage = safe_reader(path).read_metadata().storage_data or {}
+    return {".metadata"} | {info.relative_path for info in storage.values()}
 
 
 def safe_planner():

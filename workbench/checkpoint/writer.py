@@ -29,6 +29,7 @@ import sys
 import threading
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter  # DCP's own fsspec writer
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.futures import Future
 
@@ -45,8 +46,24 @@ def start() -> None:
         _HELPER = WriterProcess()
 
 
-class HelperWriter(FileSystemWriter):
-    """A ``FileSystemWriter`` whose ``write_data`` runs in this rank's helper process."""
+class _NoFolders(FileSystem):
+    """fsspec without folders: an object store has none (and s3fs makes a missing bucket for one)."""
+
+    def mkdir(self, path) -> None:
+        pass
+
+
+class ObjectStoreWriter(FsspecWriter):
+    """DCP's fsspec writer for an object store (S3 and the like): it makes no folders."""
+
+    def __init__(self, path, **kwargs) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _NoFolders()
+        self.path = self.fs.init_path(path)
+
+
+class HelperWrites:
+    """A DCP storage writer whose ``write_data`` runs in this rank's helper process."""
 
     def write_data(self, plan, planner) -> Future:
         future: Future = Future()  # torch's, as DCP waits on it
@@ -57,6 +74,14 @@ class HelperWriter(FileSystemWriter):
         except BaseException as exc:  # noqa: BLE001 - DCP reports it as this rank's failure
             future.set_exception(exc)
         return future
+
+
+class HelperWriter(HelperWrites, FileSystemWriter):
+    """Async saves to a local folder."""
+
+
+class HelperObjectStoreWriter(HelperWrites, ObjectStoreWriter):
+    """Async saves to an object store."""
 
 
 class WriterProcess:
