@@ -7,10 +7,12 @@ import bench_exactly_once
 import bench_launch
 import bench_llm
 import bench_metrics
+import bench_object_storage
 import bench_roundtrip
 import bench_step_time
 
 if __name__ == "__main__":
-    for bench in (bench_roundtrip, bench_launch, bench_step_time, bench_metrics, bench_checkpoint, bench_elastic,
+    for bench in (bench_roundtrip, bench_launch, bench_step_time, bench_metrics, bench_checkpoint,
+                  bench_object_storage, bench_elastic,
                   bench_exactly_once, bench_comm_hooks, bench_llm):
         bench.main()

@@ -224,6 +224,20 @@ def test_keep_last_and_maybe_save(fleet):
     assert [e.tag for e in fleet.checkpoints.list() if e.state == "complete"] == [newest]
 
 
+def test_save_to_another_folder_then_restore_its_newest(fleet, tmp_path):
+    _setup(fleet, "ddp")
+    fleet.checkpoints.save(tag="first", to=str(tmp_path))
+    fleet.run(TRAIN.format(steps=1), strategy="ddp", show_output=False)
+    fleet.checkpoints.save(tag="second", to=str(tmp_path))
+    saved = fleet.run(SNAPSHOT, strategy="ddp", show_output=False)
+    fleet.run(TRAIN.format(steps=2), strategy="ddp", show_output=False)
+    assert [e.tag for e in fleet.checkpoints.list(str(tmp_path))] == ["first", "second"]
+    assert "second" not in [e.tag for e in fleet.checkpoints.list()]
+    assert fleet.checkpoints.restore(str(tmp_path))["tag"] == "second"  # a folder of checkpoints: its newest
+    _same(saved[0], fleet.run(SNAPSHOT, strategy="ddp", show_output=False)[0])
+    assert oct(os.stat(tmp_path / "second").st_mode & 0o777) == "0o700"
+
+
 def test_incomplete_and_corrupt_checkpoints_are_never_used(fleet):
     _setup(fleet, "ddp")
     tag = fleet.checkpoints.save(tag="good")

@@ -70,7 +70,7 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
 
 
-def test_save_on_two_ranks_restore_on_three(s3, s3_fleet):
+def test_save_on_two_ranks_restore_on_three(s3, s3_fleet, tmp_path):
     fleet = s3_fleet
     _setup(fleet, "fsdp")
     fleet.run(TRAIN.format(steps=3), strategy="fsdp", show_output=False)
@@ -86,6 +86,11 @@ def test_save_on_two_ranks_restore_on_three(s3, s3_fleet):
     files = _objects(s3.url("run1", "two"))
     assert "manifest.json" in files and ".metadata" in files and not any(f.startswith(".writers") for f in files)
     assert not os.path.exists(os.path.join(fleet.run_dir, "checkpoints")), "nothing is written locally"
+    files = fleet.checkpoints.export("two", str(tmp_path / "hf"))  # straight from S3
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert files == ["model.safetensors"] and _same(saved, exported)
 
     fleet.scale(3)  # through the S3 checkpoint folder
     fleet.run("pass", strategy="fsdp", show_output=False)
