@@ -230,6 +230,45 @@ def test_ddp_recovery_from_a_live_replica_is_exact(fleet, tmp_path, world, victi
     assert_exactly_once(path, [world] * steps)
 
 
+FULL_PARAMS = "[(p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().clone() for p in model.parameters()]"
+
+
+@pytest.mark.parametrize("victims,live", [((1,), True), ((1, 2), True), ((0, 1), True), ((0, 2), False)])
+def test_hsdp_recovery_takes_each_lost_shard_from_its_replica(fleet, tmp_path, victims, live):
+    """hsdp on 2x2 (shard groups {0,1} and {2,3}): rank r's shard has a replica in rank r±2. Lost
+    ranks whose shards survive elsewhere come back from those live replicas, bit-exact with the
+    run that was never interrupted; when both copies of a shard are lost (0 and 2), only a
+    checkpoint has it (here the one the scale to 4 ranks saved)."""
+    resize(fleet, 4)
+    try:
+        _recover_hsdp(fleet, tmp_path, victims, live)
+    finally:
+        fleet.setup_cells = []  # the next test's resize must not replay a 2x2 mesh
+
+
+def _recover_hsdp(fleet, tmp_path, victims, live):
+    hsdp = CellOptions(strategy="hsdp", mesh="2x2")
+    steps = 2 * N // (B * 4)
+    reference(fleet, tmp_path, steps, hsdp)
+    ref = fleet.run(FULL_PARAMS, options=hsdp, show_output=False)[0]
+    path = str(tmp_path / "hsdp.jsonl")
+    fresh_start(fleet, hsdp)
+    kill_at = steps // 2 + 1
+    pids = [fleet.member(r).pid for r in victims]
+    with pytest.raises((DistributedCellError, FleetError)):
+        train(fleet, steps, 0, path, hsdp, kill_at=kill_at, victims=victims)
+    assert not wait_until_gone(pids)
+    report = fleet.recover()
+    if not live:
+        assert report["source"] is None and report["checkpoint"] is not None, report
+        return
+    assert report["step"] == kill_at and report["checkpoint"] is None, report
+    assert len(report["sources"]) == 2 and not set(report["sources"]) & set(victims), report  # one per shard
+    train(fleet, steps, 1, path, hsdp)
+    assert_same_params(ref, fleet.run(FULL_PARAMS, options=hsdp, show_output=False)[0])
+    assert_exactly_once(path, [4] * steps)
+
+
 def test_recover_shrink_deals_the_rest_of_the_epoch_over_the_survivors(fleet, tmp_path):
     resize(fleet, 3)
     path = str(tmp_path / "shrink.jsonl")

@@ -29,7 +29,8 @@ def fleet():
 
 
 def test_recover_on_a_healthy_fsdp_fleet_keeps_the_live_state(fleet):
-    """Was: 'no checkpoint yet: every rank starts again from the setup cells, at step 0'."""
+    """Was: 'no checkpoint yet: every rank starts again from the setup cells, at step 0'. Every
+    rank's shard survives: each takes its own back, no checkpoint needed."""
     fsdp = CellOptions(strategy="fsdp")
     fleet.setup_cells = []
     fleet.execute(SETUP, fsdp, show_output=False, setup=True)
@@ -37,7 +38,22 @@ def test_recover_on_a_healthy_fsdp_fleet_keeps_the_live_state(fleet):
     fleet.run(TRAIN, strategy="fsdp", show_output=False)
     before = fleet.run(FULL, strategy="fsdp", show_output=False)[0]
     report = fleet.recover()
+    assert report["step"] == 3 and report["checkpoint"] is None and report["sources"] == [0, 1, 2], report
+    after = fleet.run(FULL, strategy="fsdp", show_output=False)[0]
+    assert all(a.equal(b) for a, b in zip(before, after, strict=True))
+
+
+def test_replacing_a_healthy_fsdp_rank_saves_its_shard_first(fleet):
+    """Its shard has no replica: the live state is checkpointed before the rank goes."""
+    fsdp = CellOptions(strategy="fsdp")
+    fleet.setup_cells = []
+    fleet.execute(SETUP, fsdp, show_output=False, setup=True)
+    fleet.run("workbench.step = 0", strategy="fsdp", show_output=False)
+    fleet.run(TRAIN, strategy="fsdp", show_output=False)
+    before = fleet.run(FULL, strategy="fsdp", show_output=False)[0]
+    report = fleet.recover(replace=[1])
     assert report["step"] == 3 and report["checkpoint"] == f"recover-{fleet.generation - 1}", report
+    assert report["replaced"] == [1] and report["source"] is None
     after = fleet.run(FULL, strategy="fsdp", show_output=False)[0]
     assert all(a.equal(b) for a, b in zip(before, after, strict=True))
 
@@ -173,7 +189,7 @@ def test_an_interrupt_at_any_phase_of_scale_or_recover_loses_nothing(fleet):
         steps = fleet.run("workbench.step", show_output=False)
         assert steps == [3] * fleet.world_size, f"attempt {attempt}: steps {steps}"
         for got in fleet.run(FULL, show_output=False):
-            assert all(a.equal(b) for a, b in zip(before, got, strict=True)), f"attempt {attempt}: state lost"
+            assert all(a.equal(b) for a, b in zip(before, got, strict=True)), f"attempt {attempt}: state lost {landed} {interrupted}"
     assert interrupted >= 6, f"only {interrupted} of 20 interrupts landed inside the command: {landed}"
     print("interrupts landed in:", landed)
     fleet.run(TRAIN, show_output=False)  # the group works

@@ -108,9 +108,10 @@ def _resize_to(fleet, world: int) -> None:
         fleet.pool.remove_ranks(list(range(world, fleet.world_size)))
 
 
-def _keep_live_state(fleet, lost: set[int]) -> int | None:
-    """Survivors set their state aside before the setup replay; returns the engine id of the
-    one to take it from, or None when no survivor holds the whole state (sharded, or none left)."""
+def _keep_live_state(fleet, lost: set[int]) -> list | None:
+    """Survivors set their state aside before the setup replay; returns ``[holds, engine id]``
+    pairs: for each state a survivor holds (the whole state, or one shard of hsdp's), the one to
+    take it from. None when the survivors cannot give it (sharded without replicas, or none left)."""
     survivors = [r for r in range(fleet.world_size) if r not in lost]
     if not survivors:
         return None
@@ -120,9 +121,17 @@ def _keep_live_state(fleet, lost: set[int]) -> int | None:
     except Exception:  # a survivor that cannot answer: the checkpoint it is
         kept = [None]
     if all(k and k["replicated"] for k in kept) and len({tuple(k["keys"]) for k in kept}) == 1:
-        # a survivor stopped between its all-reduce and its optimizer step is one step behind:
-        # the one with the most completed steps holds a whole, consistent step
-        return max(zip(ids, kept, strict=True), key=lambda pair: pair[1]["step"])[0]
+        # a survivor stopped between its all-reduce and its optimizer step is one step behind: of
+        # those that hold the same state, the one with the most completed steps holds a whole step
+        best: dict[str, tuple[int, int]] = {}
+        for engine_id, k in zip(ids, kept, strict=True):
+            holds = repr(k["holds"])
+            if holds not in best or k["step"] > best[holds][0]:
+                best[holds] = (k["step"], engine_id)
+        # every shard has a survivor, all at the same step
+        if len(best) == max(k["shards"] for k in kept) and len({step for step, _ in best.values()}) == 1:
+            holds_of = {repr(k["holds"]): k["holds"] for k in kept}
+            return [[holds_of[h], engine_id] for h, (_, engine_id) in sorted(best.items())]
     _drop_kept(fleet, ids)
     return None
 
@@ -143,7 +152,22 @@ def _drop_kept(fleet, engine_ids: list[int]) -> None:
         pass
 
 
-def _replay_and_restore(fleet, phases: _Phases, tag: str, replica_engine: int | None = None) -> dict:
+def _live_sources(fleet, sources: list | None) -> list | None:
+    """After the replay: ``sources`` as ``[holds, rank]`` pairs, if every rank now holds a state
+    one of them has (hsdp: every shard survived somewhere); else None (the kept state is dropped)."""
+    if sources is None:
+        return None
+    ranks = {m.engine_id: m.rank for m in fleet.members}
+    pairs = [[holds, ranks[engine_id]] for holds, engine_id in sources if engine_id in ranks]
+    if len(pairs) == len(sources):  # no source died on the way
+        needed = fleet.client[fleet.engine_ids()].apply_async(replica.holding).get(timeout=60)
+        if all(holds in [h for h, _ in pairs] for holds in needed):
+            return pairs
+    _drop_kept(fleet, fleet.engine_ids())
+    return None
+
+
+def _replay_and_restore(fleet, phases: _Phases, tag: str, sources: list | None = None) -> dict:
     def replay():
         fleet.replaying = True
         try:
@@ -153,14 +177,14 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str, replica_engine: int | 
             fleet.replaying = False
 
     phases.run("setup", f"replaying {len(fleet.setup_cells)} setup cell(s)", replay)
-    source = next((m.rank for m in fleet.members if m.engine_id == replica_engine), None)
-    if replica_engine is not None and source is None:  # the source died too, on the way
-        _drop_kept(fleet, fleet.engine_ids())
-    if source is not None:
-        report = phases.run("restore", f"sending rank {source}'s live state to every rank",
-                            fleet.checkpoints.from_replica, source)
+    pairs = _live_sources(fleet, sources)
+    if pairs is not None:
+        ranks = sorted(rank for _, rank in pairs)
+        names = f"rank {ranks[0]}'s live state" if len(ranks) == 1 else \
+            f"the live shards of ranks {','.join(map(str, ranks))}"
+        report = phases.run("restore", f"sending {names} to every rank", fleet.checkpoints.from_replica, pairs)
         fleet.fresh_ranks = []
-        return {"tag": None, "source": source, **report}
+        return {"tag": None, "source": ranks[0], "sources": ranks, **report}
     if tag == "latest" and not [e for e in fleet.checkpoints.list() if e.state == "complete"]:
         # nothing saved yet: every rank starts again from the setup state, survivors included
         fleet.client[fleet.engine_ids()].apply_async(engine.set_step, 0).get()
@@ -229,8 +253,8 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     dead = sorted(set(died) | set(replace))
     replaced_before = set(fleet.fresh_ranks) | set(busy)  # fresh engines already, with no state yet
     tag = unfinished.tag if unfinished is not None and unfinished.tag else "latest"
-    replica_engine = None if tag != "latest" else _keep_live_state(fleet, set(dead) | replaced_before)
-    if replica_engine is None and tag == "latest" and not died and not replaced_before:
+    sources = None if tag != "latest" else _keep_live_state(fleet, set(dead) | replaced_before)
+    if sources is None and tag == "latest" and not died and not replaced_before:
         # every rank is alive (a healthy fleet, or stragglers to replace) but the state is sharded:
         # saved first, as a scale does, so that no rank's live state is lost
         try:
@@ -269,9 +293,11 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
             dead = sorted(set(dead) | set(late))
             phases.run("teardown", "process group teardown", _teardown, fleet)
         phases.run("rendezvous", "rendezvous", fleet.rendezvous)
-        report = _replay_and_restore(fleet, phases, tag, replica_engine)
+        report = _replay_and_restore(fleet, phases, tag, sources)
     if report.get("source") is not None:
-        tail = (f"restored {', '.join(report['restored'])} from the live state of rank {report['source']} "
+        whose = f"rank {report['source']}" if len(report["sources"]) == 1 else \
+            f"ranks {','.join(map(str, report['sources']))} (one per shard)"
+        tail = (f"restored {', '.join(report['restored'])} from the live state of {whose} "
                 f"at step {report['step']} (no checkpoint needed)")
     elif report["tag"]:
         tail = f"restored {', '.join(report['restored'])} from {report['tag']!r} at step {report['step']}"
@@ -282,7 +308,7 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     phases.done(tail)
     replaced = dead if shrink else sorted(set(dead) | replaced_before)
     return {"timings": phases.timings, "replaced": replaced, "checkpoint": report["tag"], "step": report["step"],
-            "restored": report["restored"], "source": report.get("source")}
+            "restored": report["restored"], "source": report.get("source"), "sources": report.get("sources")}
 
 
 def scale(fleet, n: int) -> dict:

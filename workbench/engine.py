@@ -29,10 +29,30 @@ def ensure_accelerator(options: CellOptions):
     if STATE.accelerator is None or STATE.accelerator_key != key or _accelerate_state_reset():
         from .strategies import build_accelerator
 
+        _forget_sharding_plans(STATE.spec.generation)
         nodes = STATE.spec.world_size // max(1, STATE.spec.local_world_size)
         STATE.accelerator = build_accelerator(options, STATE.device.type, nodes)
         STATE.accelerator_key = key
     return STATE.accelerator
+
+
+_planned_in: list = [None]  # the process-group generation DTensor's sharding cache was filled in
+
+
+def _forget_sharding_plans(generation: int) -> None:
+    """In a new process group, clear DTensor's (per-thread) cache of sharding decisions: it
+    compares device meshes by their shape and names, not by their process groups, so after a
+    rebuild an in-place op (the optimizer step) would give a new model's parameters the mesh of
+    the old group, whose groups are gone (``full_tensor()`` then fails)."""
+    import sys
+
+    if _planned_in[0] == generation or "torch.distributed.tensor" not in sys.modules:
+        _planned_in[0] = generation
+        return
+    _planned_in[0] = generation
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # the Python cache and the C++ one
+
+    _clear_sharding_prop_cache()
 
 
 def names(options: CellOptions) -> dict:

@@ -82,8 +82,10 @@ class KeptState(TypedDict):
     """What a survivor set aside for recovery (:func:`workbench.checkpoint.replica.keep`)."""
 
     step: int
-    replicated: bool  # the whole state (no shards): it can be sent to a new rank
+    replicated: bool  # it can be sent to a new rank (the whole state, or one shard that replicas share)
     keys: list[str]
+    holds: list | None  # which shard of each sharded model (None: the whole state); equal on replicas
+    shards: int  # how many different shards there are (1: the whole state)
 
 
 class Restored(TypedDict):

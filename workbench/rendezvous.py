@@ -103,6 +103,10 @@ def join(spec: dict) -> Joined:
     before = _tcp_connections()
     timeout = timedelta(seconds=spec.timeout_s)
     kwargs = dict(backend=spec.backend, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    # torch names groups by a per-process count; every rank starts this generation's count at the
+    # same place, past the names older generations used: objects a survivor still holds from
+    # them (a model's DeviceMesh) then never resolve, or unregister, a group of this one
+    dist.distributed_c10d._world.group_count = spec.generation * GROUP_NAMES_PER_GENERATION
     if spec.store_path:
         store = dist.FileStore(spec.store_path, spec.world_size)
         dist.init_process_group(store=store, **kwargs)
@@ -170,6 +174,9 @@ def sever(peer_pids: list[int] = ()) -> int:
     return count
 
 
+GROUP_NAMES_PER_GENERATION = 10_000
+
+
 def leave(peer_pids: list[int] = ()) -> None:
     """Release peers, destroy this rank's process group and accelerate's singletons."""
     from .rank import STATE
@@ -194,6 +201,7 @@ def leave(peer_pids: list[int] = ()) -> None:
         AcceleratorState._reset_state(True)
     except ImportError:
         pass
+
 
 
 def healthy(timeout_s: float = 5.0) -> bool:

@@ -66,10 +66,11 @@ class Checkpoints:
         layout.resolve(self.folder, tag)  # a clear error before any rank is involved
         return self._on_every_rank(api.restore, tag)[0]
 
-    def from_replica(self, src: int) -> dict:
-        """Every rank takes the state rank ``src`` set aside before recover replayed the setup
-        cells (:mod:`.replica`); returns rank 0's report."""
-        return self._on_every_rank(replica.share, src)[0]
+    def from_replica(self, sources: list) -> dict:
+        """Every rank takes the state set aside before recover replayed the setup cells, from the
+        survivor that holds what it holds (``[holds, rank]`` pairs, :mod:`.replica`); returns
+        rank 0's report."""
+        return self._on_every_rank(replica.share, sources)[0]
 
     def export(self, tag: str, out: str, model: str | None = None) -> list[str]:
         """Write checkpoint ``tag``'s model ``model`` (default: the fleet's only prepared model,

@@ -10,16 +10,23 @@ flight, not a checkpoint interval, and the data goes on exactly where that step 
 state (the one with the most completed steps sends it), each keeps its own RNG state; a
 replaced rank's RNG state died with it (it has its setup cells' seed).
 
-Sharded state (FSDP2, hsdp, ``--tp``, ``--pp``: DTensor parameters) is held by
-no single rank: :func:`keep` says so and recover loads the latest checkpoint.
+Sharded state (DTensor parameters) is held by no single rank, but its shards may have
+replicas: with hsdp every shard group holds the whole model, so a rank's shard lives on in the
+rank at the same place of another group. :func:`holding` names the shard a rank holds (its
+coordinates on the mesh's sharded dimensions); :func:`share` sends each survivor's shard to the
+ranks that hold the same one after the replay. Where some shard has no survivor (FSDP, --tp,
+both copies of an hsdp shard lost), recover loads the latest checkpoint.
 """
 
 from __future__ import annotations
+
+import math
 
 from ..messages import KeptState, Restored
 from .state import PER_RANK_MARK, CheckpointState, is_per_rank, per_rank_key, set_rng_state
 
 KEPT: dict | None = None  # this rank's state dict, set aside by keep() until share() or drop()
+KEPT_HOLDS: list | None = None  # which shards KEPT holds (:func:`_holding`)
 
 
 def keep(again: bool = False) -> KeptState | None:
@@ -33,24 +40,58 @@ def keep(again: bool = False) -> KeptState | None:
     from ..metrics.logger import LOGGER
     from ..rank import STATE, namespace
 
+    global KEPT_HOLDS
+    rank = STATE.spec.rank if STATE.spec else 0
     if not (again and KEPT is not None):
-        rank = STATE.spec.rank if STATE.spec else 0
         state = CheckpointState(namespace(), rank, LOGGER.step, any_generation=True)
         if not any(state.objects.values()):
             KEPT = None
             return None
-        KEPT = state.state_dict()
+        KEPT, KEPT_HOLDS = state.state_dict(), _holding(state.objects["model"])
     # a per-rank registered object of a replaced rank died with it: only a checkpoint has it
-    replicated = not _has_shards(KEPT) and not any(k.startswith("user/") and is_per_rank(k) for k in KEPT)
-    return KeptState(step=int(KEPT["workbench"]["step"]), replicated=replicated,
-                     keys=sorted(k for k in KEPT if not is_per_rank(k)))
+    per_rank_objects = any(k.startswith("user/") and is_per_rank(k) for k in KEPT)
+    whole = KEPT_HOLDS is not None and (KEPT_HOLDS or not _has_shards(KEPT))  # no other DTensors
+    shards = max((math.prod(shape[d] for d in sharded_dims) for _, shape, _, sharded_dims in KEPT_HOLDS or ()),
+                 default=1)
+    return KeptState(step=int(KEPT["workbench"]["step"]), replicated=bool(whole) and not per_rank_objects,
+                     keys=sorted(k for k in KEPT if not is_per_rank(k)), holds=KEPT_HOLDS or None, shards=shards)
 
 
-def share(src: int) -> Restored:
-    """Collective: every rank takes rank ``src``'s kept state into its freshly set-up objects.
-    Survivors keep their own per-rank entries (RNG, stream positions); a replaced rank takes
-    ``src``'s stream positions (ranks take the same number of batches per step) and keeps the
-    RNG its setup cells gave it."""
+def holding() -> list | None:
+    """After the setup replay: which shard this rank's freshly prepared models hold (None: the
+    whole state; ``[]`` when it is sharded in a way no other rank shares)."""
+    from ..rank import STATE, namespace
+
+    holds = _holding(CheckpointState(namespace(), STATE.spec.rank, 0).objects["model"])
+    return holds or None if holds is not None else []
+
+
+def _holding(models: dict) -> list | None:
+    """For each model with DTensor parameters: its name, the mesh's shape and this rank's
+    coordinates on the dimensions where a parameter is sharded (two ranks with equal values hold
+    equal shards). ``[]`` for no DTensors; None when parameters of one model lie on different
+    meshes or placements (a layout this does not follow)."""
+    from torch.distributed.tensor import DTensor
+
+    holds = []
+    for name, model in sorted(models.items()):
+        layouts = {(tuple(p.device_mesh.shape), tuple(p.device_mesh.get_coordinate() or ()),
+                    tuple(not pl.is_replicate() for pl in p.placements))
+                   for p in model.parameters() if isinstance(p, DTensor)}
+        if len(layouts) > 1:
+            return None
+        for shape, coordinate, sharded in layouts:
+            dims = [d for d, s in enumerate(sharded) if s]
+            holds.append([name, list(shape), [coordinate[d] for d in dims], dims])
+    return holds
+
+
+def share(sources: list) -> Restored:
+    """Collective: every rank takes the kept state of the survivor that holds what it holds now,
+    into its freshly set-up objects. ``sources``: ``[holds, rank]`` pairs (``holds`` None: the whole
+    state, one source for all). Survivors keep their own per-rank entries (RNG, stream
+    positions); a replaced rank takes its source's stream positions (ranks take the same number
+    of batches per step) and keeps the RNG its setup cells gave it."""
     global KEPT
     import torch.distributed as dist
 
@@ -59,9 +100,15 @@ def share(src: int) -> Restored:
 
     rank = STATE.spec.rank
     own, KEPT = KEPT, None
-    payload = [own if rank == src else None]
-    dist.broadcast_object_list(payload, src=src)  # between this fleet's own ranks, in memory
-    state = payload[0]
+    mine = holding()
+    state = None
+    for holds, src in sources:
+        payload = [_local_shards(own) if rank == src else None]
+        dist.broadcast_object_list(payload, src=src)  # between this fleet's own ranks, in memory
+        if holds == mine:
+            state = payload[0]
+    if state is None:
+        raise RuntimeError(f"no survivor holds the shard rank {rank} holds ({mine})")
     live = CheckpointState(namespace(), rank, LOGGER.step)
     shared = {key: value for key, value in state.items() if not is_per_rank(key)}
     mine = per_rank_key("", rank)
@@ -69,7 +116,7 @@ def share(src: int) -> Restored:
         if key.startswith("data/") and is_per_rank(key):
             own_key = key.rsplit(PER_RANK_MARK, 1)[0] + mine
             shared[own_key] = own[own_key] if own is not None and own_key in own else value
-    restored = live.apply(shared)
+    restored = live.apply(_into_live(live, shared) if mine else shared)
     if own is not None and f"rng/{rank}" in own:
         set_rng_state(own[f"rng/{rank}"])
         restored.append("rng")
@@ -81,6 +128,44 @@ def drop() -> None:
     """Forget the kept state (recover used the checkpoint instead)."""
     global KEPT
     KEPT = None
+
+
+def _local_shards(state):
+    """``state`` with each DTensor as its local shard (its mesh belongs to the old process group)."""
+    from torch.distributed.tensor import DTensor
+
+    if not _has_shards(state):
+        return state
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: _local_shards(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_local_shards(v) for v in state)
+    return state
+
+
+def _into_live(live: CheckpointState, received: dict) -> dict:
+    """This rank's live state (DTensors on the new mesh) holding ``received``'s values, each local
+    shard copied into the live DTensor's own (as a checkpoint load fills its template)."""
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._traverse import set_element  # the helpers DCP's own load uses
+    from torch.distributed.tensor import DTensor
+
+    template = live.template(set(received))
+    flat, mapping = flatten_state_dict(template)
+    values, _ = flatten_state_dict(received)
+    for key, value in flat.items():
+        if key not in values:
+            continue
+        if isinstance(value, DTensor):
+            value.to_local().copy_(values[key])
+        elif isinstance(value, torch.Tensor):
+            value.copy_(values[key])
+        else:
+            set_element(template, mapping[key], values[key])
+    return template
 
 
 def _has_shards(state) -> bool:

@@ -20,18 +20,23 @@ REGISTERED: dict[str, tuple[object, bool]] = {}  # name -> (object, per rank)
 
 def prepared_objects(namespace: dict, any_generation: bool = False) -> dict[str, dict[str, object]]:
     """Prepared objects bound to names, by kind: models, optimizers, schedulers, dataloaders;
-    only those prepared on the current process group, unless ``any_generation``."""
+    only those prepared on the current process group, or with ``any_generation`` on the newest
+    one any of them was prepared on (the group may have been rebuilt since the failure that
+    made recovery necessary; objects of older groups are leftovers no setup cell makes now)."""
     import torch
 
     from ..rank import STATE
 
+    prepared = {name: obj for name, obj in namespace.items()
+                if not name.startswith("_") and (getattr(obj, "_is_accelerate_prepared", False)
+                                                 or getattr(obj, "_workbench_instrumented", False))}
     generation = STATE.spec.generation if STATE.spec else None
+    if any_generation:
+        generation = max((g for obj in prepared.values() if (g := getattr(obj, "_workbench_generation", None))
+                          is not None), default=generation)
     found = {"model": {}, "optimizer": {}, "scheduler": {}, "dataloader": {}}
-    for name, obj in namespace.items():
-        if name.startswith("_") or not (getattr(obj, "_is_accelerate_prepared", False)
-                                        or getattr(obj, "_workbench_instrumented", False)):
-            continue
-        if not any_generation and getattr(obj, "_workbench_generation", generation) != generation:
+    for name, obj in prepared.items():
+        if getattr(obj, "_workbench_generation", generation) != generation:
             continue  # prepared on a process group that has been rebuilt since: stale
         if isinstance(obj, torch.nn.Module):
             found["model"][name] = obj
