@@ -105,6 +105,20 @@ def main() -> dict:
 
         fleet.scale(3)
         result.update(_ddp_recovery(fleet, tmp, probe.reference(fleet, tmp, 16), 16, 9))
+
+        fleet.scale(4)  # hsdp 2x2: ranks 1 and 2 killed, each shard still held by its replica (0 and 3)
+        hsdp = CellOptions(strategy="hsdp", mesh="2x2")
+        probe.reference(fleet, tmp, 12, hsdp)
+        ref4 = fleet.run(probe.FULL_PARAMS, options=hsdp, show_output=False)[0]
+        path = str(tmp / "hsdp.jsonl")
+        probe.fresh_start(fleet, hsdp)
+        recovered = _kill_and_recover(fleet, path, 12, 7, (1, 2), hsdp)
+        probe.train(fleet, 12, 1, path, hsdp)
+        result["hsdp 2x2 SIGKILL of ranks 1,2 + recover from live shards (sources)"] = \
+            f"{_counts(path, [4] * 12)} (sources: ranks {recovered['sources']})"
+        result["hsdp recover: max |param - uninterrupted|"] = _diff(
+            ref4, fleet.run(probe.FULL_PARAMS, options=hsdp, show_output=False)[0])
+        fleet.setup_cells = []
     return report("exactly_once", result)
 
 
