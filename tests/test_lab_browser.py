@@ -228,6 +228,24 @@ def _panel_walkthrough(lab, page):
     assert time.monotonic() - started < 15
     engines = _wait_engines(page, 3, timeout_s=30)
 
+    # a long cell that ends says so (and notifies, where allowed); a NaN loss is marked on its curve
+    page.evaluate("""() => {
+        window.wbNotes = [];
+        window.Notification = class { constructor(title, options) { window.wbNotes.push(options.body); } };
+        window.Notification.permission = 'granted';
+        const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+        kernel.requestExecute({code: 'import workbench.panel\\nworkbench.panel.LONG_CELL_S = 1.0'});
+        kernel.requestExecute({code: '%%distributed --stop-on-nan\\nimport time\\ntime.sleep(1.5)\\n'
+                                     + 'workbench.log(loss=float("nan"))'});
+    }""")
+    page.wait_for_function("window.wbNotes.length > 0", timeout=30_000)
+    note = page.evaluate("window.wbNotes[0]")
+    assert re.fullmatch(r"distributed-cell-\d+ failed after \ds", note), note
+    page.wait_for_function("(document.querySelector('.wb-chart-loss .wb-chart-nonfinite-note')?.textContent || '')"
+                           ".includes('loss is NaN or infinite at step')", timeout=15_000)
+    assert panel.locator(".wb-chart-loss line.wb-chart-nonfinite").count() >= 1
+    _shot(page, "3b-nan-marked")
+
     # an engine killed from outside: the panel shows it dead within about a second
     pids = [int(row[4]) for row in engines]
     killed_at = time.monotonic()
@@ -260,10 +278,11 @@ def _panel_walkthrough(lab, page):
     run_id = next((root / "notebooks" / "workbench-runs").iterdir()).name
     assert not (root / "workbench-runs").exists()
     assert runs.first.get_attribute("data-run") == run_id
-    # from the run's run.json: named after the notebook, stopped, how long, its final loss
+    # from the run's run.json: named after the notebook, stopped, how long, its final loss (nan: the
+    # --stop-on-nan cell above logged the last one)
     page.wait_for_function("document.querySelector('.wb-runs button').textContent.includes('stopped')",
                            timeout=15_000)
-    assert re.match(r"01_quickstart · stopped · \d+(m\d\ds|s) · loss [0-9.e+-]+ · \d+ checkpoints$",
+    assert re.match(r"01_quickstart · stopped · \d+(m\d\ds|s) · loss ([0-9.e+-]+|nan) · \d+ checkpoints$",
                     runs.first.text_content()), runs.first.text_content()
     runs.first.click()
     page.wait_for_function("document.querySelector('.wb-message').textContent.includes('from disk')",

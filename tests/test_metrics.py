@@ -580,6 +580,24 @@ def test_a_nan_or_inf_loss_is_named_once_in_the_cell_output(fleet, capsys):
     assert "non-finite" not in capsys.readouterr().err, "said once: the next cell is clean"
 
 
+def test_stop_on_nan_ends_the_cell_at_the_first_non_finite_value(fleet):
+    from workbench import CellOptions, DistributedCellError
+    from workbench.flags import distributed_parser, options_from
+    from workbench.options import CellCall
+
+    code = ("import torch\nworkbench.step = 0\nfor i in range(8):\n"
+            "    workbench.log(loss=torch.tensor(float('nan')) if rank == 1 and i == 3 else 1.0)\n"
+            "    done = i")
+    with pytest.raises(DistributedCellError, match=r"FloatingPointError: loss is nan at step 3 on rank 1 "
+                                                   r"\(--stop-on-nan\)") as info:
+        fleet.execute(code, CellOptions(), show_output=False, stop_on_nan=True)
+    assert "\n" not in str(info.value).splitlines()[0]
+    assert fleet.run("done", ranks=[1], show_output=False) == [2], "rank 1 stopped at the NaN"
+    fleet.execute(code, CellOptions(), show_output=False)  # without the flag the loop runs to its end
+    assert fleet.run("done", show_output=False) == [7, 7]
+    assert options_from(distributed_parser().parse_line("--stop-on-nan"), CellCall).stop_on_nan
+
+
 def test_workbench_notices_go_through_the_workbench_logger(fleet, capsys):
     import logging
 

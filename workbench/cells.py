@@ -65,7 +65,7 @@ def _refuse_unrecovered(fleet) -> None:
 
 def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
             return_value: bool = False, show_output: bool = True, setup: bool = False,
-            show_all_progress: bool = False) -> execution.CellResult:
+            show_all_progress: bool = False, stop_on_nan: bool = False) -> execution.CellResult:
     """Run ``code`` as a cell on ``ranks`` of ``fleet`` (see ``Fleet.execute``)."""
     chosen = _admit(fleet, options, ranks)
     if setup and ranks is not None and len(chosen) != fleet.world_size:
@@ -75,7 +75,7 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
     _refuse_unrecovered(fleet)
     fleet.cells_run += 1
     name = f"distributed-cell-{fleet.cells_run}"
-    args = (code, options.to_dict(), name, return_value, not return_value)
+    args = (code, options.to_dict(), name, return_value, not return_value, stop_on_nan)
     try:
         with _recorded(fleet, name, options, chosen, setup) as replies:
             result = execution.run_on_ranks(fleet, chosen, engine.run_cell, args, timeout=timeout,
@@ -87,7 +87,8 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
         if not ((exc.dead or exc.hung) and auto_recover(fleet, f"{what} during the cell", again=True)):
             raise
         return execute(fleet, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
-                       show_output=show_output, setup=setup, show_all_progress=show_all_progress)
+                       show_output=show_output, setup=setup, show_all_progress=show_all_progress,
+                       stop_on_nan=stop_on_nan)
     if setup:
         fleet.setup_cells = [c for c in fleet.setup_cells if c[0] != code] + [(code, options)]
     elif ranks is None and not fleet.replaying:

@@ -173,12 +173,13 @@ def _compile_cell(code: str, filename: str):
 
 
 def run_cell(
-    code: str, options: dict, cell_name: str, return_value: bool = False, display_value: bool = True
+    code: str, options: dict, cell_name: str, return_value: bool = False, display_value: bool = True,
+    stop_on_nan: bool = False,
 ) -> CellReply:
     """Run a ``%%distributed`` cell on this rank.
 
     Returns the value and its display, or the failure with the traceback of the
-    user's code only.
+    user's code only. ``stop_on_nan``: a NaN or infinite value logged ends the cell.
     """
     STATE.cells += 1
     ns = namespace()
@@ -187,7 +188,7 @@ def run_cell(
     except BaseException as exc:  # noqa: BLE001 - reported to the kernel as this rank's error
         return _failure(exc, skip_frames=0)
     filename = f"<{cell_name}>"
-    LOGGER.cell_started()
+    LOGGER.cell_started(stop_on_nan)
     try:
         body, last = _compile_cell(code, filename)
         with _UserCode():

@@ -364,16 +364,18 @@ class Fleet:
 
     def execute(self, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
                 return_value: bool = False, show_output: bool = True, setup: bool = False,
-                show_all_progress: bool = False) -> "CellResult":
+                show_all_progress: bool = False, stop_on_nan: bool = False) -> "CellResult":
         """Run ``code`` as a cell on ``ranks``: the engine of ``%%distributed`` (:mod:`workbench.cells`).
 
         ``setup``: record the cell (once it ran on every rank without error) to be
         replayed on every rank after :meth:`scale` or a recovery. ``show_all_progress``:
-        show every rank's progress bars, not only the first rank's.
+        show every rank's progress bars, not only the first rank's. ``stop_on_nan``: the
+        cell fails at the first NaN or infinite value a rank logs.
         """
         with self.command(busy=True):
             return cells.execute(self, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
-                                 show_output=show_output, setup=setup, show_all_progress=show_all_progress)
+                                 show_output=show_output, setup=setup, show_all_progress=show_all_progress,
+                                 stop_on_nan=stop_on_nan)
 
     def stragglers(self) -> dict[int, float]:
         """Slow ranks of the current process group: ``{rank: compute ratio}``

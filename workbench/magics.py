@@ -292,7 +292,8 @@ class WorkbenchMagics(Magics):
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
         call = options_from(args, CellCall)
         result = fleet.execute(cell, options_from(args, CellOptions), ranks=call.ranks, timeout=call.timeout,
-                               setup=call.setup, show_all_progress=call.show_all_progress)
+                               setup=call.setup, show_all_progress=call.show_all_progress,
+                               stop_on_nan=call.stop_on_nan)
         bundle = result.display(result.ranks[0])
         return _RankValue(bundle) if bundle else None
 

@@ -125,3 +125,4 @@ class PanelState(TypedDict):
     run_dir: NotRequired[str]
     needs_recover: NotRequired[bool]
     parked: NotRequired[dict | None]  # %fleet park: {"world": ranks it had, "tag": its checkpoint, "since": time}
+    last_cell: NotRequired[dict | None]  # the newest cell that ended: cell, status, seconds, ended, long

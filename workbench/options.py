@@ -172,6 +172,9 @@ class CellCall:
     show_all_progress: bool = False
     """show every rank's progress bars (tqdm and the like); by default only the first rank's, the
     others' are in the rank logs"""
+    stop_on_nan: bool = False
+    """stop the cell at the first NaN or infinite value a rank logs with workbench.log ('loss is nan at step
+    412 on rank 1'); logged tensors are then read at once (on a GPU: a sync per log call)"""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,11 +32,13 @@ import time
 import psutil
 
 from .messages import EngineRow, PanelState
+from .metrics.store import json_safe
 
 TARGET = "workbench.panel"
 POLL_S = 0.25
 HISTORY = 5000  # metric records sent when a panel opens
 SILENT_AFTER_S = 10.0  # a remote rank without a heartbeat this long shows as "silent"
+LONG_CELL_S = 60.0  # the panel (and a browser notification) says when a cell that ran this long ended
 
 _comms: dict[str, "PanelConnection"] = {}  # panel client id -> its open comm
 _session = None  # the magics' FleetSession (current_fleet, current_metrics), given by register()
@@ -65,7 +67,8 @@ def snapshot() -> PanelState:
                      spares={"ready": len(fleet.pool.spares), "starting": len(fleet.pool.pending_spares)},
                      needs_recover=bool(fleet.fresh_ranks),
                      parked={"world": fleet.parked.world, "tag": fleet.parked.tag, "since": fleet.parked.since}
-                     if fleet.parked is not None else None)
+                     if fleet.parked is not None else None,
+                     last_cell=_last_cell(fleet))
     if metrics is not None:
         folder = fleet.checkpoint_dir if fleet is not None else layout.checkpoints_dir(metrics.run_dir)
         for entry in _checkpoints(folder):
@@ -75,6 +78,17 @@ def snapshot() -> PanelState:
                            strategy=entry.manifest.strategy, created=entry.manifest.created)
             state["checkpoints"].append(row)
     return state
+
+
+def _last_cell(fleet) -> dict | None:
+    """The newest cell that ended, from the run's record (its list is replaced, never changed in place)."""
+    cells = fleet.record.cells if fleet.record is not None else []
+    if not cells:
+        return None
+    cell = cells[-1]
+    seconds = cell["ended"] - cell["started"]
+    return {"cell": cell["cell"], "status": cell["status"], "seconds": seconds, "ended": cell["ended"],
+            "long": seconds >= LONG_CELL_S}
 
 
 REMOTE_LISTING_EVERY_S = 10.0  # the panel lists an object store's checkpoints this often at most
@@ -163,7 +177,7 @@ class PanelConnection:
             self.run, self.sent_records = metrics.run_id, max(0, len(store) - HISTORY)
         new = store.since(self.sent_records)
         if new:
-            self.comm.send({"type": "metrics", "run": self.run, "points": _points(new)})
+            self.comm.send({"type": "metrics", "run": self.run, "points": json_safe(_points(new))})
             self.sent_records += len(new)
 
 

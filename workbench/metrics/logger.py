@@ -68,8 +68,10 @@ class MetricsLogger:
         self.cell_started()
 
     # ------------------------------------------------------------ training thread
-    def cell_started(self) -> None:
-        """A new cell: its first step is measured from now."""
+    def cell_started(self, stop_on_nan: bool = False) -> None:
+        """A new cell: its first step is measured from now (``stop_on_nan``: a NaN or infinite
+        value logged in it raises)."""
+        self.stop_on_nan = stop_on_nan
         self._interval_start = time.perf_counter()
         self._cell_activity = self.activity + self.comm.launched
         self.cells += 1
@@ -91,6 +93,22 @@ class MetricsLogger:
         else:
             system = self._measure(scalars)
         self._record(step, scalars, system)
+        if self.stop_on_nan:
+            self._raise_if_not_finite(scalars)
+
+    def _raise_if_not_finite(self, scalars: dict) -> None:
+        """--stop-on-nan: a FloatingPointError naming the first NaN or infinite value (the record
+        was sent first, so the kernel's summary and panel show it too)."""
+        import math
+
+        from ..rank import STATE
+
+        for name, value in scalars.items():
+            number = float(value.item() if hasattr(value, "item") else value)
+            if not math.isfinite(number):
+                rank = STATE.spec.rank if STATE.spec else 0
+                raise FloatingPointError(f"{name} is {number} at step {self._last_label} on rank {rank} "
+                                         "(--stop-on-nan)")
 
     def optimizer_stepped(self) -> None:
         """End of a training step: ``workbench.step`` counts it, the dataloaders' positions

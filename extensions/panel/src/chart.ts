@@ -6,11 +6,18 @@ const COLORS = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b'
 const MAX_POINTS = 2000; // per rank; older points are thinned out beyond this
 const SVG = 'http://www.w3.org/2000/svg';
 
+const MAX_NON_FINITE = 100; // NaN / infinite values kept to mark
+
 export class Series {
   readonly byRank = new Map<number, [number, number][]>();
+  /** steps where a rank logged NaN or an infinite value (null on the wire), first ones first */
+  readonly nonFinite: { rank: number; x: number }[] = [];
 
-  add(rank: number, x: number, y: number): void {
-    if (!Number.isFinite(y)) {
+  add(rank: number, x: number, y: number | null): void {
+    if (y === null || !Number.isFinite(y)) {
+      if (this.nonFinite.length < MAX_NON_FINITE) {
+        this.nonFinite.push({ rank, x });
+      }
       return;
     }
     let points = this.byRank.get(rank);
@@ -29,6 +36,7 @@ export class Series {
 
   clear(): void {
     this.byRank.clear();
+    this.nonFinite.length = 0;
   }
 
   get size(): number {
@@ -75,6 +83,16 @@ export function drawChart(host: HTMLElement, title: string, series: Series): voi
   const heading = document.createElement('div');
   heading.className = 'wb-chart-title';
   host.appendChild(heading);
+  const bad = series.nonFinite[0];
+  if (bad) {
+    // named once, like the cell output's note: 'loss is nan at step 412 on rank 1'
+    const note = document.createElement('div');
+    note.className = 'wb-chart-nonfinite-note';
+    note.textContent =
+      `${title} is NaN or infinite at step ${bad.x} on rank ${bad.rank}` +
+      (series.nonFinite.length > 1 ? ` (${series.nonFinite.length} such values)` : '');
+    host.appendChild(note);
+  }
   if (series.size === 0) {
     heading.textContent = `${title}: no data yet`;
     return;
@@ -91,6 +109,11 @@ export function drawChart(host: HTMLElement, title: string, series: Series): voi
       ymax = Math.max(ymax, y);
     })
   );
+  for (const { x } of series.nonFinite) {
+    // the steps of NaN / infinite values are in the range, so that their marks show
+    xmin = Math.min(xmin, x);
+    xmax = Math.max(xmax, x);
+  }
   heading.textContent = title;
   const width = 300,
     height = 110,
@@ -112,6 +135,9 @@ export function drawChart(host: HTMLElement, title: string, series: Series): voi
   svg.appendChild(svgLine(left, height - bottom, width - right, height - bottom, 'wb-chart-axis-line'));
   svg.appendChild(svgText(left, height - 3, `step ${xmin}`, 'start'));
   svg.appendChild(svgText(width - right, height - 3, String(xmax), 'end'));
+  for (const { x } of series.nonFinite) {
+    svg.appendChild(svgLine(sx(x), top, sx(x), height - bottom, 'wb-chart-nonfinite'));
+  }
   series.byRank.forEach((points, rank) => {
     const line = document.createElementNS(SVG, 'polyline');
     line.setAttribute('points', points.map(([x, y]) => `${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join(' '));

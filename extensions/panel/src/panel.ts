@@ -12,7 +12,7 @@ import { Widget } from '@lumino/widgets';
 
 import { drawChart, Series } from './chart';
 import { ConnectionStatus, FleetConnection } from './connection';
-import { ICheckpoint, IFleetState, KernelMessage, Point } from './protocol';
+import { ICheckpoint, IFleetState, ILastCell, KernelMessage, Point } from './protocol';
 import { fetchCheckpoints, fetchLog, fetchLogs, fetchMetrics, fetchRuns } from './server';
 
 const STATUS_TEXT: Record<ConnectionStatus, string> = {
@@ -79,6 +79,7 @@ export class WorkbenchPanel extends Widget {
   private _throughputName = 'samples/s';
   private _pending = new Set<string>(); // commands sent to the kernel, until they finish
   private _redraw = 0;
+  private _lastCellEnded: number | undefined = undefined; // the newest cell end the panel has seen
   private _runsTimer = 0;
   private _buttonsTimer = 0;
   private _runsFolder: string | null = null; // the notebook folder whose runs are listed
@@ -102,6 +103,15 @@ export class WorkbenchPanel extends Widget {
     this.id = 'workbench-panel';
     this.title.caption = 'workbench: fleet, metrics, checkpoints';
     this._build();
+    this.node.addEventListener(
+      'click',
+      () => {
+        if ('Notification' in window && Notification.permission === 'default') {
+          void Notification.requestPermission(); // asked at a click: browsers allow it only then
+        }
+      },
+      { once: true }
+    );
     this._connection = new FleetConnection(tracker);
     this._connection.messages.connect((_, msg) => this._onMessage(msg));
     this._connection.statusChanged.connect(() => {
@@ -242,11 +252,34 @@ export class WorkbenchPanel extends Widget {
       this._scheduleCharts();
     } else {
       const stopped = !!this._state?.running && !msg.running;
+      this._cellEnded(msg.last_cell ?? null);
       this._state = msg;
       this._render();
       if (stopped) {
         void this._refreshRuns(); // its record now says stopped, with a duration
       }
+    }
+  }
+
+  /**
+   * A cell that ran long ended: say so in the message line and, where the browser allows it,
+   * as a notification (asked for at the first click in the panel). A cell that ended before
+   * the panel opened is not news.
+   */
+  private _cellEnded(cell: ILastCell | null): void {
+    if (cell === null || cell.ended === this._lastCellEnded) {
+      return;
+    }
+    const first = this._lastCellEnded === undefined;
+    this._lastCellEnded = cell.ended;
+    if (first || !cell.long) {
+      return;
+    }
+    const how = cell.status === 'ok' ? 'finished' : cell.status;
+    const text = `${cell.cell} ${how} after ${duration(cell.seconds)}`;
+    this._say(text, cell.status !== 'ok');
+    if ('Notification' in window && Notification.permission === 'granted') {
+      new Notification('workbench', { body: text });
     }
   }
 
@@ -269,7 +302,8 @@ export class WorkbenchPanel extends Widget {
         this._scalarName = names.includes('loss') ? 'loss' : names[0] ?? null;
       }
       if (this._scalarName !== null && scalars && this._scalarName in scalars) {
-        this._loss.add(rank, step, Number(scalars[this._scalarName]));
+        const value = scalars[this._scalarName]; // null: NaN or infinite (standard JSON has neither)
+        this._loss.add(rank, step, value === null ? null : Number(value));
       }
       const previous = this._lastTime.get(rank);
       this._lastTime.set(rank, time);

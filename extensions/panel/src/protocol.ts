@@ -36,10 +36,20 @@ export interface IFleetState {
   checkpoints: ICheckpoint[];
   needs_recover?: boolean; // a rank was replaced by a fresh engine: %fleet recover next
   parked?: { world: number; tag: string; since: number } | null; // %fleet park: no engines until unparked
+  last_cell?: ILastCell | null; // the newest cell that ended
 }
 
-/** [rank, step, time, scalars, samples_per_s] */
-export type Point = [number, number, number, Record<string, number>, number | null];
+/** The newest %%distributed cell that ended (from the run's record) */
+export interface ILastCell {
+  cell: string;
+  status: string; // ok | failed | interrupted
+  seconds: number;
+  ended: number;
+  long: boolean; // it ran at least a minute (workbench.panel.LONG_CELL_S): the panel says it ended
+}
+
+/** [rank, step, time, scalars (null: NaN or infinite), samples_per_s] */
+export type Point = [number, number, number, Record<string, number | null>, number | null];
 
 export interface IMetricsMessage {
   type: 'metrics';
@@ -73,7 +83,7 @@ export interface IMetricsResponse {
     time: number;
     rank: number;
     step: number;
-    scalars: Record<string, number>;
+    scalars: Record<string, number | null>;
     system: Record<string, number>;
   }[];
 }
