@@ -9,6 +9,7 @@ while a cell runs, at most ``REFRESH_S`` apart.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -32,14 +33,20 @@ OPTIONAL_PLOTS = ("gpu",)  # shown only once a rank recorded the field (NVML on 
 
 
 def downsample(xs: list, ys: list, limit: int = MAX_POINTS) -> tuple[list, list]:
-    """At most ``limit`` points: bucket means, keeping the first and last x of the series."""
+    """At most ``limit`` points: each bucket's lowest and highest point, in step order, so a spike
+    (a loss jump, a slow step) stays on the chart; the first and last point are kept."""
     if len(xs) <= limit:
         return list(xs), list(ys)
-    size = -(-len(xs) // limit)
-    out_x, out_y = [], []
-    for i in range(0, len(xs), size):
-        out_x.append(xs[min(i + size, len(xs)) - 1])
-        out_y.append(statistics.fmean(ys[i:i + size]))
+    size = -(-len(xs) // max(1, (limit - 2) // 2))
+    out_x, out_y = [xs[0]], [ys[0]]
+    for i in range(1, len(xs) - 1, size):
+        bucket = range(i, min(i + size, len(xs) - 1))
+        low, high = min(bucket, key=ys.__getitem__), max(bucket, key=ys.__getitem__)
+        for j in sorted({low, high}):
+            out_x.append(xs[j])
+            out_y.append(ys[j])
+    out_x.append(xs[-1])
+    out_y.append(ys[-1])
     return out_x, out_y
 
 
@@ -63,7 +70,8 @@ class _Plot:
                                 fig_margin={"top": 40, "bottom": 40, "left": 70, "right": 20},
                                 layout=widgets.Layout(height=height, width="100%"))
         self.legend = widgets.HTML()
-        self.widget = widgets.VBox([self.figure, self.legend])
+        self.note = widgets.HTML()  # what is off the chart: under it, never cut like a long title
+        self.widget = widgets.VBox([self.figure, self.note, self.legend])
         self.lines: dict[str, object] = {}
 
     def show(self, series: dict[str, tuple[list, list]]) -> None:
@@ -83,27 +91,33 @@ class _Plot:
             line = self.lines[label]
             with line.hold_sync():
                 line.x, line.y = xs, ys
-        if self.robust:
-            self._fit([y for _, ys in series.values() for y in ys])
+        steps = [x for xs, _ in series.values() for x in xs]
+        if steps:  # a range of a few steps would repeat integer ticks ("0 0 0 1 1 1")
+            with self.x_scale.hold_sync():
+                self.x_scale.min, self.x_scale.max = float(min(steps)), float(max(max(steps), min(steps) + 4))
+        if self.robust:  # each line's first point is its warm-up step (shown apart in the summary too)
+            self._fit([y for _, ys in series.values() for y in ys], [y for _, ys in series.values() for y in ys[1:]])
 
-    def _fit(self, values: list[float]) -> None:
-        """The y axis from 0 to above the steady values; outliers are clipped and counted."""
-        top = steady_top(values)
+    def _fit(self, values: list[float], steady: list[float]) -> None:
+        """The y axis from 0 to above the ``steady`` values; outliers are clipped and counted."""
+        top = steady_top(steady)
         clipped = sum(1 for v in values if top is not None and v > top)
         with self.y_scale.hold_sync():
             self.y_scale.min = 0.0 if values and min(values) >= 0 else None
             self.y_scale.max = top if clipped else None
-        self.figure.title = self.title + (f" · {clipped} above the chart (max {max(values):.4g})" if clipped else "")
+        self.note.value = (f"<small>{clipped} of {len(values)} points above the chart (max {max(values):.4g})"
+                           "</small>" if clipped else "")
 
 
 def steady_top(values: list[float], factor: float = 3.0) -> float | None:
     """An axis top for ``values`` that leaves out rare outliers: ``factor`` x the median (the
-    warm-up step is typically 100x a steady one), never below the 90th percentile."""
+    warm-up step is typically 100x a steady one), never below the 99th percentile, so at least
+    99 % of the points are on the chart."""
     if len(values) < 5:
         return None
     ordered = sorted(values)
-    median, p90 = statistics.median(ordered), ordered[int(0.9 * (len(ordered) - 1))]
-    return max(median * factor, p90) * 1.05 if median > 0 else None
+    median, p99 = statistics.median(ordered), ordered[math.ceil(0.99 * (len(ordered) - 1))]
+    return max(median * factor, p99) * 1.05 if median > 0 else None
 
 
 def legend_html(labels: list[str]) -> str:

@@ -27,10 +27,7 @@ export class Series {
     }
     points.push([x, y]);
     if (points.length > MAX_POINTS) {
-      this.byRank.set(
-        rank,
-        points.filter((_, i) => i % 2 === 0 || i === points!.length - 1)
-      );
+      this.byRank.set(rank, thin(points));
     }
   }
 
@@ -44,6 +41,37 @@ export class Series {
     this.byRank.forEach(p => (n += p.length));
     return n;
   }
+}
+
+/**
+ * Half the points: of each four, the lowest and the highest (in step order), so spikes stay
+ * on the chart; the newest point is kept.
+ */
+function thin(points: [number, number][]): [number, number][] {
+  const out: [number, number][] = [];
+  for (let i = 0; i < points.length - 1; i += 4) {
+    const bucket = points.slice(i, Math.min(i + 4, points.length - 1));
+    let low = 0,
+      high = 0;
+    bucket.forEach(([, y], j) => {
+      if (y < bucket[low][1]) {
+        low = j;
+      }
+      if (y > bucket[high][1]) {
+        high = j;
+      }
+    });
+    for (const j of low === high ? [low] : [Math.min(low, high), Math.max(low, high)]) {
+      out.push(bucket[j]);
+    }
+  }
+  out.push(points[points.length - 1]);
+  return out;
+}
+
+/** The value below which a share `q` of the sorted `values` lie. */
+function quantile(sorted: number[], q: number): number {
+  return sorted[Math.min(sorted.length - 1, Math.max(0, Math.round(q * (sorted.length - 1))))];
 }
 
 function format(value: number): string {
@@ -98,31 +126,37 @@ export function drawChart(host: HTMLElement, title: string, series: Series): voi
     return;
   }
   let xmin = Infinity,
-    xmax = -Infinity,
-    ymin = Infinity,
-    ymax = -Infinity;
+    xmax = -Infinity;
+  const ys: number[] = [];
   series.byRank.forEach(points =>
     points.forEach(([x, y]) => {
       xmin = Math.min(xmin, x);
       xmax = Math.max(xmax, x);
-      ymin = Math.min(ymin, y);
-      ymax = Math.max(ymax, y);
+      ys.push(y);
     })
   );
+  // the y axis spans 99 % of the points (a warm-up step or a spike does not flatten the rest);
+  // points beyond it are drawn at its edge and counted in the title
+  ys.sort((a, b) => a - b);
+  const ymin = quantile(ys, 0.005),
+    ymax = quantile(ys, 0.995);
+  const off = ys.filter(y => y < ymin || y > ymax).length;
   for (const { x } of series.nonFinite) {
     // the steps of NaN / infinite values are in the range, so that their marks show
     xmin = Math.min(xmin, x);
     xmax = Math.max(xmax, x);
   }
-  heading.textContent = title;
-  const width = 300,
+  heading.textContent = off ? `${title} · ${off} point${off > 1 ? 's' : ''} off the chart` : title;
+  // drawn at the box's real pixel width, so the text is the size the stylesheet says
+  const width = Math.max(160, Math.round(host.clientWidth) || 300),
     height = 110,
     left = 46,
     right = 6,
     top = 6,
     bottom = 16;
   const sx = (x: number) => left + ((x - xmin) / (xmax - xmin || 1)) * (width - left - right);
-  const sy = (y: number) => height - bottom - ((y - ymin) / (ymax - ymin || 1)) * (height - top - bottom);
+  const sy = (y: number) =>
+    height - bottom - ((Math.min(ymax, Math.max(ymin, y)) - ymin) / (ymax - ymin || 1)) * (height - top - bottom);
   const svg = document.createElementNS(SVG, 'svg');
   svg.setAttribute('viewBox', `0 0 ${width} ${height}`);
   svg.setAttribute('class', 'wb-chart');

@@ -360,8 +360,9 @@ export class WorkbenchPanel extends Widget {
       engines.map(e => [
         String(e.rank),
         e.device,
-        e.state,
-        e.memory_mb === null || e.memory_mb === undefined ? '-' : `${Math.round(e.memory_mb)} MiB`,
+        element('span', `wb-state wb-state-${e.state.split(' ')[0]}`, e.state), // dead, slow 1.6×, silent: coloured
+        // a dead engine's last memory figure is not its memory now
+        e.memory_mb === null || e.memory_mb === undefined || e.state === 'dead' ? '-' : `${Math.round(e.memory_mb)} MiB`,
         String(e.pid)
       ])
     );
