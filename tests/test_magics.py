@@ -212,7 +212,7 @@ def test_metrics_magic(kernel):
 
 def test_checkpoint_magic(kernel):
     text = _help(kernel, "%checkpoint?")
-    assert "%checkpoint save" in text and "--async" in text and "restore [TAG|latest|PATH]" in text
+    assert "%checkpoint save" in text and "--async" in text and "--to DIR|URL" in text and "restore [TAG|latest|PATH|URL]" in text
     setup = ("%%distributed --strategy fsdp\nimport torch\nmodel = torch.nn.Linear(8, 8)\n"
              "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
              "model, optimizer = accelerator.prepare(model, optimizer)")
