@@ -127,9 +127,13 @@ class EnginePool:
 
     def _identify_new(self) -> None:
         """Ask engines that registered since the last call who they are (slot, pid, host)."""
-        new = [e for e in self.client.ids if e not in self._identities]
-        if new:
-            self._identities.update(zip(new, self.client[new].apply_async(rendezvous.identify).get(), strict=True))
+        new = [e for e in self.client.ids if e not in self._identities and e not in self._dead_engines]
+        asked = {e: self.client[e].apply_async(rendezvous.identify) for e in new}
+        for engine_id, reply in asked.items():
+            try:
+                self._identities[engine_id] = reply.get()
+            except Exception:  # it died on its way up: its slot's launcher says so (wait_for)
+                self._dead_engines.add(engine_id)
 
     def _unassigned(self) -> dict[int, tuple[int, Identity]]:
         """Registered engines that are neither a rank nor a spare, by launch slot."""
