@@ -28,34 +28,36 @@ def fleet():
         yield f
 
 
+def _fsdp_trained_3_steps(fleet) -> list:
+    """A fresh FSDP setup cell, 3 steps; the full parameters."""
+    fleet.setup_cells = []
+    fleet.execute(SETUP, CellOptions(strategy="fsdp"), show_output=False, setup=True)
+    fleet.run("workbench.step = 0", strategy="fsdp", show_output=False)
+    fleet.run(TRAIN, strategy="fsdp", show_output=False)
+    return fleet.run(FULL, strategy="fsdp", show_output=False)[0]
+
+
+def _same_full_params(fleet, before: list) -> bool:
+    after = fleet.run(FULL, strategy="fsdp", show_output=False)[0]
+    return all(a.equal(b) for a, b in zip(before, after, strict=True))
+
+
 def test_recover_on_a_healthy_fsdp_fleet_keeps_the_live_state(fleet):
     """Was: 'no checkpoint yet: every rank starts again from the setup cells, at step 0'. Every
     rank's shard survives: each takes its own back, no checkpoint needed."""
-    fsdp = CellOptions(strategy="fsdp")
-    fleet.setup_cells = []
-    fleet.execute(SETUP, fsdp, show_output=False, setup=True)
-    fleet.run("workbench.step = 0", strategy="fsdp", show_output=False)
-    fleet.run(TRAIN, strategy="fsdp", show_output=False)
-    before = fleet.run(FULL, strategy="fsdp", show_output=False)[0]
+    before = _fsdp_trained_3_steps(fleet)
     report = fleet.recover()
     assert report["step"] == 3 and report["checkpoint"] is None and report["sources"] == [0, 1, 2], report
-    after = fleet.run(FULL, strategy="fsdp", show_output=False)[0]
-    assert all(a.equal(b) for a, b in zip(before, after, strict=True))
+    assert _same_full_params(fleet, before)
 
 
 def test_replacing_a_healthy_fsdp_rank_saves_its_shard_first(fleet):
     """Its shard has no replica: the live state is checkpointed before the rank goes."""
-    fsdp = CellOptions(strategy="fsdp")
-    fleet.setup_cells = []
-    fleet.execute(SETUP, fsdp, show_output=False, setup=True)
-    fleet.run("workbench.step = 0", strategy="fsdp", show_output=False)
-    fleet.run(TRAIN, strategy="fsdp", show_output=False)
-    before = fleet.run(FULL, strategy="fsdp", show_output=False)[0]
+    before = _fsdp_trained_3_steps(fleet)
     report = fleet.recover(replace=[1])
     assert report["step"] == 3 and report["checkpoint"] == f"recover-{fleet.generation - 1}", report
     assert report["replaced"] == [1] and report["source"] is None
-    after = fleet.run(FULL, strategy="fsdp", show_output=False)[0]
-    assert all(a.equal(b) for a, b in zip(before, after, strict=True))
+    assert _same_full_params(fleet, before)
 
 
 def test_a_dead_ranks_dataloader_workers_do_not_hold_the_survivors(fleet):
