@@ -130,6 +130,7 @@ class LocalS3:
         return "/".join([f"s3://{self.bucket}", *names])
 
     def __enter__(self) -> "LocalS3":
+        import functools
         import socket
         import subprocess
         import sys
@@ -137,8 +138,11 @@ class LocalS3:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
+        from .rank import die_with_parent
+
         self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        preexec_fn=functools.partial(die_with_parent, os.getpid()))
         self._saved_environment = {key: os.environ.get(key) for key in self.ENVIRONMENT}
         os.environ.update(AWS_ACCESS_KEY_ID="workbench-test", AWS_SECRET_ACCESS_KEY="workbench-test-secret",
                           AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
