@@ -159,10 +159,14 @@ def _live_sources(fleet, sources: list | None) -> list | None:
         return None
     ranks = {m.engine_id: m.rank for m in fleet.members}
     pairs = [[holds, ranks[engine_id]] for holds, engine_id in sources if engine_id in ranks]
-    if len(pairs) == len(sources):  # no source died on the way
+    if len(pairs) != len(sources):
+        notice("a rank whose live state was to be sent died during the recovery; restoring the latest checkpoint")
+    else:
         needed = fleet.client[fleet.engine_ids()].apply_async(replica.holding).get(timeout=60)
         if all(holds in [h for h, _ in pairs] for holds in needed):
             return pairs
+        notice("after the setup replay the ranks hold other shards than the survivors kept (the mesh changed); "
+               "restoring the latest checkpoint")
     _drop_kept(fleet, fleet.engine_ids())
     return None
 

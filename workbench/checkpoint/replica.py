@@ -100,15 +100,15 @@ def share(sources: list) -> Restored:
 
     rank = STATE.spec.rank
     own, KEPT = KEPT, None
-    mine = holding()
+    held_here = holding()
     state = None
     for holds, src in sources:
         payload = [_local_shards(own) if rank == src else None]
         dist.broadcast_object_list(payload, src=src)  # between this fleet's own ranks, in memory
-        if holds == mine:
+        if holds == held_here:
             state = payload[0]
     if state is None:
-        raise RuntimeError(f"no survivor holds the shard rank {rank} holds ({mine})")
+        raise RuntimeError(f"no survivor holds the shard rank {rank} holds ({held_here})")
     live = CheckpointState(namespace(), rank, LOGGER.step)
     shared = {key: value for key, value in state.items() if not is_per_rank(key)}
     mine = per_rank_key("", rank)
@@ -116,7 +116,7 @@ def share(sources: list) -> Restored:
         if key.startswith("data/") and is_per_rank(key):
             own_key = key.rsplit(PER_RANK_MARK, 1)[0] + mine
             shared[own_key] = own[own_key] if own is not None and own_key in own else value
-    restored = live.apply(_into_live(live, shared) if mine else shared)
+    restored = live.apply(_into_live(live, shared) if held_here else shared)
     if own is not None and f"rng/{rank}" in own:
         set_rng_state(own[f"rng/{rank}"])
         restored.append("rng")
