@@ -261,6 +261,10 @@ def _panel_walkthrough(lab, page):
     page.wait_for_function("!document.querySelector('button[data-action=recover]').disabled", timeout=10_000)
     panel.locator("button[data-action=recover]").click()
     engines = _wait_engines(page, 3, timeout_s=120)
+    # the new engine shows once it registered; Recover disables when the recovery has finished
+    # (setup replay and restore come after)
+    page.wait_for_function("document.querySelector('button[data-action=recover]').disabled", timeout=60_000)
+    engines = _engines(page)
     assert int(engines[2][4]) != pids[2] and recover.is_disabled()
     page.wait_for_function("document.querySelector('.wb-message').textContent.includes('recover')", timeout=30_000)
     pids = [int(row[4]) for row in engines]
