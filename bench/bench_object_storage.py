@@ -42,8 +42,8 @@ def main() -> dict:
         state_mb = sum(fleet.run(SETUP, strategy="fsdp", show_output=False))
         for i in range(ROUNDS):
             for where, folder in (("local", local), ("s3", s3.url("ckpt"))):
-                times[f"{where}_save"].append(_timed(lambda: fleet.checkpoints.save(tag=f"r{i}", to=folder)))
-                times[f"{where}_restore"].append(_timed(lambda: fleet.checkpoints.restore(f"{folder}/r{i}")))
+                times[f"{where}_save"].append(_timed(lambda i=i, folder=folder: fleet.checkpoints.save(tag=f"r{i}", to=folder)))
+                times[f"{where}_restore"].append(_timed(lambda i=i, folder=folder: fleet.checkpoints.restore(f"{folder}/r{i}")))
     shutil.rmtree(local, ignore_errors=True)
     return report("object_storage", {
         "state_mb_total": state_mb,

@@ -11,11 +11,13 @@ import time
 
 
 def loop(accelerator, steps: int, width: int = 1024, batch: int = 64, log: bool = False,
-         plain: bool = False) -> list[float]:
+         plain: bool = False, cpu: bool = False):
     """Train an MLP for ``steps`` steps with accelerate's DDP; return each step's seconds.
 
     ``log``: call ``workbench.log(loss=...)`` every step. ``plain``: prepare with
-    accelerate's own ``Accelerator.prepare``, skipping workbench's measurements.
+    accelerate's own ``Accelerator.prepare``, skipping workbench's measurements. ``cpu``:
+    return ``(seconds, cpu_seconds)``, the second the whole process's CPU time in each step
+    (its background threads included, other processes not: steady on a busy machine).
     """
     import torch
 
@@ -34,9 +36,9 @@ def loop(accelerator, steps: int, width: int = 1024, batch: int = 64, log: bool 
         import workbench
     g = torch.Generator().manual_seed(accelerator.process_index)
     x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = torch.nn.functional.mse_loss(model(x), y)
         accelerator.backward(loss)
         optimizer.step()
@@ -44,7 +46,8 @@ def loop(accelerator, steps: int, width: int = 1024, batch: int = 64, log: bool 
         if log:
             workbench.log(loss=loss.detach())
         times.append(time.perf_counter() - start)
-    return times
+        cpu_times.append(time.process_time() - cpu_start)
+    return (times, cpu_times) if cpu else times
 
 
 if __name__ == "__main__":

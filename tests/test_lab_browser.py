@@ -158,6 +158,15 @@ def _panel_walkthrough(lab, page):
     assert panel.locator(".wb-chart-loss .wb-legend-item").all_text_contents()[0].startswith("rank 0: ")
     assert panel.locator(".wb-chart-throughput .wb-legend-item").count() == 2
     assert "2 ranks (gloo)" in panel.locator(".wb-status").text_content()
+    # the engines table fits the sidebar as JupyterLab opens it: no column cut, no scrolling
+    fit = page.evaluate("""() => {
+        const table = document.querySelector('.wb-engines');
+        const cut = Array.from(table.querySelectorAll('td, th')).filter(c => c.scrollWidth > c.clientWidth + 1);
+        return {panel: document.querySelector('#workbench-panel').clientWidth, table: table.scrollWidth,
+                box: table.parentElement.clientWidth, cut: cut.map(c => c.textContent)};
+    }""")
+    print(f"engines table at the default sidebar width: {fit}")
+    assert fit["table"] <= fit["box"] and not fit["cut"], fit
     # disabled buttons look disabled (nothing to recover, nothing to interrupt)
     recover = panel.locator("button[data-action=recover]")
     assert recover.is_disabled()
@@ -277,14 +286,14 @@ def _panel_walkthrough(lab, page):
     assert "no fleet running" in panel.locator(".wb-status").text_content()
     assert not wait_until_gone(pids), "engine processes outlived the fleet"
     # the run is listed from disk by the server routes, and its curves come back from there
-    runs = panel.locator(".wb-runs button")
+    runs = panel.locator(".wb-runs .wb-run")
     runs.first.wait_for(timeout=15_000)
     run_id = next((root / "notebooks" / "workbench-runs").iterdir()).name
     assert not (root / "workbench-runs").exists()
     assert runs.first.get_attribute("data-run") == run_id
     # from the run's run.json: named after the notebook, stopped, how long, its final loss (nan: the
     # --stop-on-nan cell above logged the last one)
-    page.wait_for_function("document.querySelector('.wb-runs button').textContent.includes('stopped')",
+    page.wait_for_function("document.querySelector('.wb-runs .wb-run').textContent.includes('stopped')",
                            timeout=15_000)
     assert re.match(r"01_quickstart · stopped · \d+(m\d\ds|s) · loss ([0-9.e+-]+|nan) · \d+ checkpoints$",
                     runs.first.text_content()), runs.first.text_content()
@@ -293,3 +302,67 @@ def _panel_walkthrough(lab, page):
                            timeout=30_000)
     assert int(panel.locator(".wb-chart-loss svg").get_attribute("data-points")) >= 160
     _shot(page, "5-stopped")
+    _hover_and_zoom(page, panel)
+    _compare_two_runs(page, panel, root)
+
+
+def _chart_range(panel) -> tuple[float, float]:
+    svg = panel.locator(".wb-chart-loss svg")
+    return float(svg.get_attribute("data-xmin")), float(svg.get_attribute("data-xmax"))
+
+
+def _hover_and_zoom(page, panel):
+    """Hovering names each rank's value at the step under the pointer; a drag zooms into
+    those steps; a double click zooms out."""
+    box = panel.locator(".wb-chart-loss svg").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.4)
+    tip = panel.locator(".wb-chart-loss .wb-chart-tip")
+    tip.wait_for(timeout=5_000)
+    lines = tip.text_content().split("\n")
+    assert re.fullmatch(r"step \d+", lines[0]) and lines[1].startswith("rank 0: ") and lines[2].startswith("rank 1: "), lines
+    assert panel.locator(".wb-chart-loss line.wb-chart-cursor").count() == 1
+    _shot(page, "6-hover")
+    full = _chart_range(panel)
+    page.mouse.move(box["x"] + box["width"] * 0.4, box["y"] + box["height"] * 0.5)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + box["height"] * 0.5, steps=5)
+    page.mouse.up()
+    zoomed = _chart_range(panel)
+    assert full[0] < zoomed[0] < zoomed[1] < full[1], (full, zoomed)
+    assert panel.locator(".wb-chart-loss .wb-chart-reset").is_visible()
+    _shot(page, "7-zoomed")
+    panel.locator(".wb-chart-loss svg").dblclick()
+    assert _chart_range(panel) == full
+    page.mouse.move(0, 0)
+
+
+def _compare_two_runs(page, panel, root):
+    """A second run of the notebook's kernel; the newest run shown, the first drawn dashed beside it."""
+    page.evaluate("""() => {
+        const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+        kernel.requestExecute({code: '%fleet start -n 2'});
+        kernel.requestExecute({code: '%%distributed\\nfor i in range(40):\\n    workbench.log(loss=30.0 - i * 0.5)'});
+        kernel.requestExecute({code: '%fleet stop'});
+    }""")
+    page.wait_for_function("""() => {
+        const runs = document.querySelectorAll('.wb-runs .wb-run');
+        return runs.length === 2 && runs[0].textContent.includes('stopped');
+    }""", timeout=120_000)
+    runs = panel.locator(".wb-runs .wb-run")
+    first_run, second_run = runs.nth(1).get_attribute("data-run"), runs.nth(0).get_attribute("data-run")
+    assert sorted(p.name for p in (root / "notebooks" / "workbench-runs").iterdir()) == [first_run, second_run]
+    runs.nth(0).click()
+    page.wait_for_function(f"document.querySelector('.wb-message').textContent.includes('run {second_run} (from disk)')",
+                           timeout=30_000)
+    panel.locator(f".wb-compare[data-run='{first_run}']").click()
+    page.wait_for_function("document.querySelectorAll('.wb-chart-loss polyline.wb-chart-overlay').length === 2",
+                           timeout=30_000)
+    assert panel.locator(".wb-chart-loss polyline:not(.wb-chart-overlay)").count() == 2
+    assert panel.locator(".wb-chart-throughput polyline.wb-chart-overlay").count() == 2
+    legend = panel.locator(".wb-chart-loss .wb-legend-overlay").text_content()
+    assert legend.startswith("dashed: 01_quickstart") and first_run in legend, legend
+    assert _chart_range(panel)[1] > 39  # the x axis spans both runs (the second has steps 0-39)
+    _shot(page, "8-compared")
+    panel.locator(f".wb-compare[data-run='{first_run}']").click()
+    page.wait_for_function("document.querySelectorAll('.wb-chart-loss polyline.wb-chart-overlay').length === 0",
+                           timeout=10_000)

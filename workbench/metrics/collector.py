@@ -43,8 +43,7 @@ class JsonlSink:
         self.dropped_bytes = 0
 
     def write(self, records) -> None:
-        data = self._pending + "".join(json.dumps(json_safe(r.to_json()), allow_nan=False) + "\n"
-                                       for r in records).encode()
+        data = self._pending + "".join(_line(r) for r in records).encode()
         self._pending = b""
         try:
             while data:
@@ -64,6 +63,17 @@ class JsonlSink:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+_ENCODE = json.JSONEncoder(allow_nan=False).encode  # one encoder: json.dumps with options makes one a call
+
+
+def _line(record) -> str:
+    data = record.to_json()
+    try:
+        return _ENCODE(data) + "\n"
+    except ValueError:  # NaN or inf (a diverged loss): null, as standard JSON has no NaN
+        return _ENCODE(json_safe(data)) + "\n"
 
 
 class MetricsCollector:

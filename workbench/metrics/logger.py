@@ -357,16 +357,26 @@ def _stack(frame, limit: int = 8) -> str | None:
 
 
 def _checked(scalars: dict) -> dict:
+    """``scalars`` checked (real numbers or one-element real tensors); tensors detached. Plain
+    floats, the common case, cost one type check each (this runs on the training thread)."""
+    tensors = False
     for name, value in scalars.items():
+        kind = type(value)
+        if kind is float:
+            continue
         if isinstance(value, Number) and not isinstance(value, complex):
             try:
                 float(value)
             except (OverflowError, ValueError, TypeError):
                 raise TypeError(f"workbench.log({name}=...) takes real numbers a float can hold, got "
-                                f"{type(value).__name__} {str(value)[:40]}") from None
+                                f"{kind.__name__} {str(value)[:40]}") from None
         elif not _is_scalar_tensor(value) or value.is_complex():
             raise TypeError(f"workbench.log({name}=...) takes real numbers or one-element real tensors, "
-                            f"got {type(value).__name__}" + (" (complex)" if _is_scalar_tensor(value) else ""))
+                            f"got {kind.__name__}" + (" (complex)" if _is_scalar_tensor(value) else ""))
+        else:
+            tensors = True
+    if not tensors:
+        return scalars
     return {name: (value.detach() if hasattr(value, "detach") else value) for name, value in scalars.items()}
 
 
@@ -376,6 +386,8 @@ def _is_scalar_tensor(value) -> bool:
 
 def _plain(scalars: dict) -> dict:
     """JSON-ready numbers; tensors are read here, off the training thread."""
+    if all(type(value) is float for value in scalars.values()):
+        return scalars
     out = {}
     for name, value in scalars.items():
         value = value.item() if hasattr(value, "item") else value

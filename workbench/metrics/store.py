@@ -32,7 +32,7 @@ def json_safe(value):
     return value
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     """One ``workbench.log`` call (or one optimizer step) on one rank."""
 
@@ -88,8 +88,9 @@ class MetricsStore:
         rank = message["rank"]
         if rank is None and not message["records"]:
             return []  # the heartbeat of an engine that has no rank yet
-        new = [Record(t, arrived, rank, step, scalars, {**system, **message["memory"]})
-               for t, _seq, step, scalars, system in message["records"]]
+        new = [Record(t, arrived, rank, step, scalars, system) for t, _seq, step, scalars, system in message["records"]]
+        if new and message["memory"]:  # sampled when the message left: the newest record's
+            new[-1].system = {**new[-1].system, **message["memory"]}
         with self.changed:
             stream = self.streams.setdefault(rank, RankStream())
             if stream.pid != message["pid"]:  # a new engine process for this rank

@@ -6,6 +6,12 @@ chart per scalar with a line per rank and one for the mean
 (``%tensorboard --logdir workbench-runs`` shows every run). Written with
 tensorboard's own event writer (no torch in the kernel); on when the
 ``tensorboard`` package is installed (``pip install torch-workbench[tensorboard]``).
+
+tensorboard's writer checksums each event in pure Python (about 0.1 ms a rank a step
+in the kernel, which shares the cores with the ranks), so it gets every step up to
+``ROW_BURST`` in a burst, then at most ``ROWS_PER_S`` a second: every step of steps of
+50 ms or more, a sample of faster ones (always each cell's last); ``metrics.jsonl``
+keeps every record.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from ..runs import make_private
 from .step_rows import StepRows
 
 FOLDER = "tensorboard"
+ROWS_PER_S = 20.0
+ROW_BURST = 256
 
 
 def _event(summary):
@@ -69,7 +77,7 @@ class TensorBoardSink:
 
     def __init__(self, run_dir: str, world_size) -> None:
         self.folder = os.path.join(run_dir, FOLDER)
-        self.rows = StepRows(world_size)
+        self.rows = StepRows(world_size, ROWS_PER_S, ROW_BURST)
         self._writers: dict[str, object] = {}  # "" (the mean) or "rank<N>" -> EventFileWriter
         self.hparams: dict = {}  # the run's config, written at close for TensorBoard's HParams tab
         self._tags: set[str] = set()  # the mean's scalar tags: the HParams tab's metrics

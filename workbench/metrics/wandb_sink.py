@@ -15,14 +15,13 @@ so nothing ever prompts for a login. ``WANDB_MODE``, ``WANDB_PROJECT``,
 wandb's own guidance is to log under about once a second for its cost to stay negligible;
 a row costs about a millisecond of CPU in the kernel and wandb's service, which on a small
 machine comes out of the training (6 % of a 7 ms step here). So wandb gets every step's row
-up to ``ROW_BURST`` in a burst, then at most ``ROWS_PER_S`` a second (the newest row when
-a slot frees, and always each cell's last); ``metrics.jsonl`` and TensorBoard keep every step.
+up to ``ROW_BURST`` in a burst, then at most ``ROWS_PER_S`` a second (and always each cell's
+last step); ``metrics.jsonl`` keeps every record.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 from ..runs import make_private
 from .step_rows import StepRows
@@ -67,10 +66,7 @@ class WandbSink:
         self.run_id = run_id
         self.config = config
         self.run = None
-        self.rows = StepRows(world_size)
-        self._tokens = float(ROW_BURST)  # rows that may go to wandb now
-        self._refilled = time.monotonic()
-        self._held: tuple[int, dict] | None = None  # the newest row that found no slot
+        self.rows = StepRows(world_size, ROWS_PER_S, ROW_BURST)
 
     def _start(self):
         import wandb
@@ -103,25 +99,13 @@ class WandbSink:
         self._log(self.rows.add(records))
 
     def _log(self, rows) -> None:
-        now = time.monotonic()
-        self._tokens = min(ROW_BURST, self._tokens + (now - self._refilled) * ROWS_PER_S)
-        self._refilled = now
         for step, row in rows:
-            if self._tokens >= 1:
-                self._tokens -= 1
-                self._held = None
-                self.run.log({STEP_KEY: step, **row})
-            else:
-                self._held = (step, row)
+            self.run.log({STEP_KEY: step, **row})
 
     def flush(self) -> None:
         """End of a cell: steps that not every rank logged are written as they are, and the
-        cell's last row if the rate limit held it back."""
+        cell's last step if the rate held it back."""
         self._log(self.rows.drain())
-        if self._held is not None:
-            step, row = self._held
-            self._held = None
-            self.run.log({STEP_KEY: step, **row})
         self._make_private()
 
     def close(self) -> None:

@@ -10,9 +10,10 @@ import { PathExt } from '@jupyterlab/coreutils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { Widget } from '@lumino/widgets';
 
-import { drawChart, Series } from './chart';
+import { Chart } from './chart';
 import { ConnectionStatus, FleetConnection } from './connection';
-import { ICheckpoint, IFleetState, ILastCell, KernelMessage, Point } from './protocol';
+import { Curves } from './curves';
+import { ICheckpoint, IFleetState, ILastCell, KernelMessage } from './protocol';
 import { fetchCheckpoints, fetchLog, fetchLogs, fetchMetrics, fetchRuns } from './server';
 
 const STATUS_TEXT: Record<ConnectionStatus, string> = {
@@ -61,6 +62,7 @@ function fillTable(table: HTMLTableElement, header: string[], rows: (string | No
       const td = row.insertCell();
       if (typeof cell === 'string') {
         td.textContent = cell;
+        td.title = cell; // the whole text where the column cuts it
       } else {
         td.appendChild(cell);
       }
@@ -72,11 +74,8 @@ export class WorkbenchPanel extends Widget {
   private _connection: FleetConnection;
   private _state: IFleetState | null = null;
   private _shownRun: string | null = null; // whose curves are shown
-  private _loss = new Series();
-  private _throughput = new Series();
-  private _lastTime = new Map<number, number>();
-  private _scalarName: string | null = null;
-  private _throughputName = 'samples/s';
+  private _curves = new Curves();
+  private _compared: { run: string; label: string; curves: Curves } | null = null; // a run drawn dashed beside
   private _pending = new Set<string>(); // commands sent to the kernel, until they finish
   private _redraw = 0;
   private _lastCellEnded: number | undefined = undefined; // the newest cell end the panel has seen
@@ -90,8 +89,8 @@ export class WorkbenchPanel extends Widget {
   private _message = element('pre', 'wb-message');
   private _engines = element('table', 'wb-table wb-engines');
   private _spares = element('div', 'wb-spares');
-  private _lossChart = element('div', 'wb-chart-box wb-chart-loss');
-  private _throughputChart = element('div', 'wb-chart-box wb-chart-throughput');
+  private _lossChart = new Chart(element('div', 'wb-chart-box wb-chart-loss'));
+  private _throughputChart = new Chart(element('div', 'wb-chart-box wb-chart-throughput'));
   private _checkpoints = element('table', 'wb-table wb-checkpoints');
   private _runsBox = element('div', 'wb-runs');
   private _logChoice = element('select', 'wb-log-choice');
@@ -167,8 +166,8 @@ export class WorkbenchPanel extends Widget {
     root.appendChild(this._engines);
     root.appendChild(this._spares);
     root.appendChild(element('h3', '', 'Metrics'));
-    root.appendChild(this._lossChart);
-    root.appendChild(this._throughputChart);
+    root.appendChild(this._lossChart.host);
+    root.appendChild(this._throughputChart.host);
     const heading = element('h3', '', 'Checkpoints ');
     const save = element('button', 'jp-mod-styled wb-button', 'Save checkpoint');
     save.dataset.action = 'save';
@@ -248,7 +247,7 @@ export class WorkbenchPanel extends Widget {
       this._showRun(msg.run);
     }
     if (msg.type === 'metrics') {
-      this._addPoints(msg.points);
+      this._curves.add(msg.points);
       this._scheduleCharts();
     } else {
       const stopped = !!this._state?.running && !msg.running;
@@ -285,36 +284,16 @@ export class WorkbenchPanel extends Widget {
 
   private _showRun(run: string | null): void {
     this._shownRun = run;
-    this._loss.clear();
-    this._throughput.clear();
-    this._lastTime.clear();
-    this._scalarName = null;
+    this._curves = new Curves();
+    if (this._compared?.run === run) {
+      this._compared = null;
+    }
+    this._lossChart.reset();
+    this._throughputChart.reset();
     this._scheduleCharts();
     this._logChoice.textContent = '';
     this._log.textContent = '';
     void this._refreshLogs();
-  }
-
-  private _addPoints(points: Point[]): void {
-    for (const [rank, step, time, scalars, samplesPerS] of points) {
-      if (this._scalarName === null) {
-        const names = Object.keys(scalars || {});
-        this._scalarName = names.includes('loss') ? 'loss' : names[0] ?? null;
-      }
-      if (this._scalarName !== null && scalars && this._scalarName in scalars) {
-        const value = scalars[this._scalarName]; // null: NaN or infinite (standard JSON has neither)
-        this._loss.add(rank, step, value === null ? null : Number(value));
-      }
-      const previous = this._lastTime.get(rank);
-      this._lastTime.set(rank, time);
-      if (samplesPerS !== null && samplesPerS !== undefined) {
-        this._throughputName = 'samples/s';
-        this._throughput.add(rank, step, samplesPerS);
-      } else if (previous !== undefined && time > previous) {
-        this._throughputName = 'steps/s';
-        this._throughput.add(rank, step, 1 / (time - previous));
-      }
-    }
   }
 
   private _scheduleCharts(): void {
@@ -323,8 +302,18 @@ export class WorkbenchPanel extends Widget {
     }
     this._redraw = window.setTimeout(() => {
       this._redraw = 0;
-      drawChart(this._lossChart, this._scalarName ?? 'loss', this._loss);
-      drawChart(this._throughputChart, `throughput (${this._throughputName})`, this._throughput);
+      const curves = this._curves,
+        compared = this._compared;
+      this._lossChart.draw(
+        curves.scalarName ?? 'loss',
+        curves.loss,
+        compared && { label: compared.label, series: compared.curves.loss }
+      );
+      this._throughputChart.draw(
+        `throughput (${curves.throughputName})`,
+        curves.throughput,
+        compared && { label: compared.label, series: compared.curves.throughput }
+      );
     }, 200);
   }
 
@@ -465,9 +454,9 @@ export class WorkbenchPanel extends Widget {
     this._checkpoints.dataset.count = String(checkpoints.length);
   }
 
-  private async _refreshRuns(): Promise<void> {
+  private async _refreshRuns(now = false): Promise<void> {
     const folder = this._folder();
-    if (!this.isVisible && this._runsBox.childElementCount && folder === this._runsFolder) {
+    if (!now && !this.isVisible && this._runsBox.childElementCount && folder === this._runsFolder) {
       return;
     }
     try {
@@ -489,12 +478,23 @@ export class WorkbenchPanel extends Widget {
           parts.push(`loss ${typeof run.loss === 'number' ? formatNumber(run.loss) : run.loss}`);
         }
         parts.push(`${run.checkpoints} checkpoints`);
+        const row = element('div', 'wb-run-row');
         const item = element('button', 'wb-run', parts.join(' · '));
         item.title = run.id;
         item.dataset.status = run.status ?? '';
         item.dataset.run = run.id;
         item.onclick = () => void this._showDiskRun(run.id);
-        this._runsBox.appendChild(item);
+        row.appendChild(item);
+        const compared = this._compared?.run === run.id;
+        const compare = element('button', 'jp-mod-styled wb-button wb-compare', compared ? 'hide' : 'compare');
+        compare.dataset.run = run.id;
+        compare.dataset.compared = String(compared);
+        compare.title = compared
+          ? 'stop drawing this run beside the shown one'
+          : "draw this run's curves beside the shown run's (dashed)";
+        compare.onclick = () => void this._compare(run.id, run.name ?? run.id);
+        row.appendChild(compare);
+        this._runsBox.appendChild(row);
       }
     } catch (error) {
       this._runsBox.textContent = `runs on disk are not available: ${error}`;
@@ -508,17 +508,36 @@ export class WorkbenchPanel extends Widget {
       return;
     }
     this._showRun(run);
+    await this._load(run, this._curves);
+    this._scheduleCharts();
+    this._fillCheckpoints((await fetchCheckpoints(this._folder(), run)).checkpoints, false);
+    this._say(`run ${run} (from disk)`);
+  }
+
+  /** Draw (or stop drawing) another run's curves beside the shown run's, dashed. */
+  private async _compare(run: string, label: string): Promise<void> {
+    if (this._compared?.run === run) {
+      this._compared = null;
+    } else {
+      const curves = new Curves(this._curves.scalarName);
+      await this._load(run, curves);
+      this._compared = { run, label: `${label} (${run})`, curves };
+      this._say(`comparing with run ${run}: its curves are dashed`);
+    }
+    this._scheduleCharts();
+    void this._refreshRuns(true);
+  }
+
+  /** A run's records from its metrics.jsonl, page by page. */
+  private async _load(run: string, curves: Curves): Promise<void> {
     let since = 0;
     for (;;) {
       const page = await fetchMetrics(this._folder(), run, since);
-      this._addPoints(page.records.map(r => [r.rank, r.step, r.time, r.scalars, r.system.samples_per_s ?? null]));
+      curves.add(page.records.map(r => [r.rank, r.step, r.time, r.scalars, r.system.samples_per_s ?? null]));
       if (page.next === since || !page.records.length) {
         break;
       }
       since = page.next;
     }
-    this._scheduleCharts();
-    this._fillCheckpoints((await fetchCheckpoints(this._folder(), run)).checkpoints, false);
-    this._say(`run ${run} (from disk)`);
   }
 }
