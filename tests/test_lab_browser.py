@@ -147,7 +147,8 @@ def _panel_walkthrough(lab, page):
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-above')")
     engines = _wait_engines(page, 2, timeout_s=120)
     assert [row[0] for row in engines] == ["0", "1"] and all(row[1] == "cpu" for row in engines)
-    assert all(row[3].endswith("MiB") for row in engines), engines
+    assert page.text_content(".wb-engines thead th:nth-child(4)") == "MiB"
+    assert all(int(row[3]) > 50 for row in engines), engines  # memory, MiB
     page.wait_for_function("document.body.innerText.includes('FSDP  loss')", timeout=240_000)
     page.wait_for_function(
         "Number(document.querySelector('.wb-chart-loss svg')?.dataset.points || 0) >= 160", timeout=30_000)
@@ -157,6 +158,8 @@ def _panel_walkthrough(lab, page):
     assert panel.locator(".wb-chart-loss text.wb-chart-tick").count() >= 5  # 3 y ticks, first and last step
     assert panel.locator(".wb-chart-loss .wb-legend-item").all_text_contents()[0].startswith("rank 0: ")
     assert panel.locator(".wb-chart-throughput .wb-legend-item").count() == 2
+    # the ranks measured samples/s (the prepared model's batches): the figure the summary shows
+    assert panel.locator(".wb-chart-throughput .wb-chart-title").text_content().startswith("throughput (samples/s)")
     assert "2 ranks (gloo)" in panel.locator(".wb-status").text_content()
     # the engines table fits the sidebar as JupyterLab opens it: no column cut, no scrolling
     fit = page.evaluate("""() => {
@@ -301,6 +304,8 @@ def _panel_walkthrough(lab, page):
     page.wait_for_function("document.querySelector('.wb-message').textContent.includes('from disk')",
                            timeout=30_000)
     assert int(panel.locator(".wb-chart-loss svg").get_attribute("data-points")) >= 160
+    # later cells logged without training (no samples): the chart stays in samples/s, one unit
+    assert panel.locator(".wb-chart-throughput .wb-chart-title").text_content().startswith("throughput (samples/s)")
     _shot(page, "5-stopped")
     _hover_and_zoom(page, panel)
     _compare_two_runs(page, panel, root)

@@ -622,3 +622,68 @@ def test_workbench_notices_go_through_the_workbench_logger(fleet, capsys):
         logger.setLevel(logging.INFO)
     fleet.run("workbench.log(loss=float('nan'))")
     assert "workbench: loss is nan" in capsys.readouterr().err
+
+
+def test_one_throughput_figure_in_every_place_by_hand(tmp_path, monkeypatch):
+    """Each step's samples/s is 32 ÷ that step's time (by hand from metrics.jsonl) and is the same
+    number in the dashboard's throughput chart, the panel's points (live; from disk the panel
+    reads metrics.jsonl itself), wandb's and TensorBoard's rank<N>/samples_per_s; the summary's
+    and the dashboard's figures for the cell are samples ÷ the time the steady steps took."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from workbench.metrics.summary import per_rank, steps_per_second
+    from workbench.panel import _points
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    steps = 30
+    with Fleet(n=2, progress=False, wandb=True, tensorboard=True, runs_dir=str(tmp_path / "runs")) as fleet:
+        fleet.run(f"import time\nfor i in range({steps}):\n    time.sleep(0.04 if i % 3 else 0.08)\n"
+                  "    workbench.log(loss=1.0 / (i + 1), samples=32)", show_output=False)
+        store, run_dir = fleet.metrics.store, fleet.run_dir
+        records = store.since(0)
+        dashboard = Dashboard(store, fleet.metrics.run_id)
+        summary = fleet.metrics.summary(0)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    assert len(lines) == 2 * steps
+    by_hand = {(r["rank"], r["step"]): 32 / r["system"]["step_time_s"] for r in lines}
+    for line in lines:
+        assert line["system"]["samples_per_s"] == pytest.approx(by_hand[line["rank"], line["step"]], rel=1e-9)
+    # the panel's live points
+    points = _points(records)
+    assert {(p[0], p[1]): p[4] for p in points} == pytest.approx(by_hand, rel=1e-9)
+    assert {(p[0], p[1]): 32 / p[5] for p in points} == pytest.approx(by_hand, rel=1e-9)
+    # the dashboard's throughput chart: a line per rank
+    for rank in (0, 1):
+        line = dashboard.system_plots["throughput"].lines[f"rank {rank}"]
+        assert dict(zip(line.x, line.y, strict=True)) == pytest.approx(
+            {s: v for (r, s), v in by_hand.items() if r == rank}, rel=1e-9)
+    # wandb (30 rows: within its burst) and TensorBoard (within its burst too)
+    wandb_file = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))[0]
+    rows = [row for row in history_rows(wandb_file) if "rank0/samples_per_s" in row]
+    assert len(rows) == steps
+    for row in rows:
+        for rank in (0, 1):
+            assert row[f"rank{rank}/samples_per_s"] == pytest.approx(by_hand[rank, row["workbench/step"]], rel=1e-9)
+    for rank in (0, 1):
+        events = EventAccumulator(os.path.join(run_dir, "tensorboard", f"rank{rank}"))
+        events.Reload()
+        scalars = events.Scalars("samples_per_s")
+        assert len(scalars) == steps
+        for event in scalars:  # TensorBoard keeps 32-bit floats
+            assert event.value == pytest.approx(by_hand[rank, event.step], rel=1e-6)
+    # the cell's figures: samples ÷ the time the steps after the first took, per rank and summed
+    table = {row.split()[0]: row.split() for row in summary.splitlines() if re.match(r"^(\d+|all)\s", row)}
+    fleet_rate = 0.0
+    for rank, mine in per_rank(records).items():
+        steady = [r for r in lines if r["rank"] == rank][1:]
+        rate = 32 * len(steady) / sum(r["system"]["step_time_s"] for r in steady)
+        fleet_rate += rate
+        assert float(table[str(rank)][6]) == pytest.approx(rate, rel=1e-3)
+        steps_rate = len(steady) / sum(r["system"]["step_time_s"] for r in steady)
+        assert float(table[str(rank)][2]) == pytest.approx(steps_rate, rel=1e-3)
+        assert f"{steps_rate:.1f} steps/s" in dashboard._bars[rank][1].value  # the dashboard's progress label
+        assert steps_per_second(mine[1:]) == pytest.approx(steps_rate, rel=1e-9)
+    assert float(table["all"][6]) == pytest.approx(fleet_rate, rel=1e-3)

@@ -96,8 +96,8 @@ def test_state_and_metrics_stream_while_a_cell_runs(panel):
     busy = panel.wait_for(comm, _all_engines("busy"))
     points = panel.wait_for(comm, lambda d: d["type"] == "metrics" and len(d["points"]) > 0)
     assert points["run"] == busy["run"]
-    rank, step, _time, scalars, _throughput = points["points"][0]
-    assert rank in (0, 1) and "loss" in scalars
+    rank, step, _time, scalars, _throughput, step_time = points["points"][0]
+    assert rank in (0, 1) and "loss" in scalars and step_time > 0
     panel.wait_for(comm, _all_engines("idle"))
     before_idle = panel.comms[comm][:panel.read[comm] - 1]
     streamed = [d for d in before_idle if d["type"] == "metrics" and d["points"]]

@@ -132,8 +132,9 @@ def _engine_row(member, stream, slow: float | None = None) -> EngineRow:
 
 
 def _points(records) -> list[list]:
-    """``[rank, step, time, scalars, samples_per_s]`` per record: what the curves need."""
-    return [[r.rank, r.step, r.time, r.scalars, r.system.get("samples_per_s")] for r in records]
+    """``[rank, step, time, scalars, samples_per_s, step_time_s]`` per record: what the curves need."""
+    return [[r.rank, r.step, r.time, r.scalars, r.system.get("samples_per_s"), r.system.get("step_time_s")]
+            for r in records]
 
 
 class PanelConnection:

@@ -19,6 +19,8 @@ import os
 import threading
 import time
 
+import orjson
+
 from .store import MetricsStore, json_safe
 
 RECEIVE_HWM = 64  # messages queued here before the senders feel back-pressure
@@ -43,7 +45,7 @@ class JsonlSink:
         self.dropped_bytes = 0
 
     def write(self, records) -> None:
-        data = self._pending + "".join(_line(r) for r in records).encode()
+        data = self._pending + b"".join(_line(r) for r in records)
         self._pending = b""
         try:
             while data:
@@ -65,15 +67,17 @@ class JsonlSink:
         os.close(self._fd)
 
 
-_ENCODE = json.JSONEncoder(allow_nan=False).encode  # one encoder: json.dumps with options makes one a call
+_ENCODE = json.JSONEncoder(allow_nan=False).encode
 
 
-def _line(record) -> str:
+def _line(record) -> bytes:
+    """One line of metrics.jsonl: orjson (a tenth of the json module's time; NaN and inf become
+    null, as standard JSON has neither), the json module for what orjson refuses (huge ints)."""
     data = record.to_json()
     try:
-        return _ENCODE(data) + "\n"
-    except ValueError:  # NaN or inf (a diverged loss): null, as standard JSON has no NaN
-        return _ENCODE(json_safe(data)) + "\n"
+        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return (_ENCODE(json_safe(data)) + "\n").encode()
 
 
 class MetricsCollector:

@@ -255,9 +255,10 @@ class Dashboard:
 
 
 def progress_label(records: list[Record], total: int | None) -> str:
-    """tqdm-like: ``step 40/100 · 7.9 steps/s · ETA 0:07``."""
+    """tqdm-like: ``step 40/100 · 7.9 steps/s · ETA 0:07``; the rate leaves the first (warm-up)
+    step out, as the summary does."""
     done = records[-1].step + 1
-    rate = steps_per_second(records)
+    rate = steps_per_second(records[1:] or records)
     text = f"step {done}/{total}" if total else f"step {done}"
     if rate:
         text += f" · {rate:.1f} steps/s"

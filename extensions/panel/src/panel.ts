@@ -345,16 +345,20 @@ export class WorkbenchPanel extends Widget {
     const engines = state?.engines ?? [];
     fillTable(
       this._engines,
-      ['rank', 'device', 'state', 'memory', 'pid'],
+      ['rank', 'device', 'state', 'MiB', 'pid'],
       engines.map(e => [
         String(e.rank),
         e.device,
         element('span', `wb-state wb-state-${e.state.split(' ')[0]}`, e.state), // dead, slow 1.6×, silent: coloured
         // a dead engine's last memory figure is not its memory now
-        e.memory_mb === null || e.memory_mb === undefined || e.state === 'dead' ? '-' : `${Math.round(e.memory_mb)} MiB`,
+        e.memory_mb === null || e.memory_mb === undefined || e.state === 'dead' ? '-' : String(Math.round(e.memory_mb)),
         String(e.pid)
       ])
     );
+    const memoryHeader = this._engines.tHead?.rows[0]?.cells[3];
+    if (memoryHeader) {
+      memoryHeader.title = 'memory in MiB: the process RSS, or CUDA max allocated on a GPU';
+    }
     const hosts = [...new Set(engines.map(e => e.host))];
     this._engines.title = hosts.length ? `on ${hosts.join(', ')}` : '';
     this._engines.dataset.count = String(engines.length);
@@ -533,7 +537,16 @@ export class WorkbenchPanel extends Widget {
     let since = 0;
     for (;;) {
       const page = await fetchMetrics(this._folder(), run, since);
-      curves.add(page.records.map(r => [r.rank, r.step, r.time, r.scalars, r.system.samples_per_s ?? null]));
+      curves.add(
+        page.records.map(r => [
+          r.rank,
+          r.step,
+          r.time,
+          r.scalars,
+          r.system.samples_per_s ?? null,
+          r.system.step_time_s ?? null
+        ])
+      );
       if (page.next === since || !page.records.length) {
         break;
       }

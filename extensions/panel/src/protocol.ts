@@ -48,8 +48,8 @@ export interface ILastCell {
   long: boolean; // it ran at least a minute (workbench.panel.LONG_CELL_S): the panel says it ended
 }
 
-/** [rank, step, time, scalars (null: NaN or infinite), samples_per_s] */
-export type Point = [number, number, number, Record<string, number | null>, number | null];
+/** [rank, step, time, scalars (null: NaN or infinite), samples_per_s, step_time_s] */
+export type Point = [number, number, number, Record<string, number | null>, number | null, number | null];
 
 export interface IMetricsMessage {
   type: 'metrics';
