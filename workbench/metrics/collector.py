@@ -70,6 +70,15 @@ class JsonlSink:
 _ENCODE = json.JSONEncoder(allow_nan=False).encode
 
 
+def _decode(raw: bytes):
+    """A sender's message: orjson, or the json module for one that holds NaN or Infinity
+    (standard JSON has neither; the ranks write them only then)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
 def _line(record) -> bytes:
     """One line of metrics.jsonl: orjson (a tenth of the json module's time; NaN and inf become
     null, as standard JSON has neither), the json module for what orjson refuses (huge ints)."""
@@ -131,7 +140,7 @@ class MetricsCollector:
 
     def _ingest(self, raw: bytes) -> None:
         try:
-            message = json.loads(raw)
+            message = _decode(raw)
             records = self.store.add(message, time.time())
         except (ValueError, KeyError, TypeError) as exc:
             self.errors.append(f"a malformed metrics message was ignored ({exc})")

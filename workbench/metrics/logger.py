@@ -268,7 +268,7 @@ class MetricsLogger:
             records=[[t, seq, step, _plain(scalars), _plain(system)] for t, seq, step, scalars, system in batch],
         )
         try:
-            socket.send(json.dumps(message).encode(), zmq.NOBLOCK)
+            socket.send(_encode(message), zmq.NOBLOCK)
         except zmq.Again:  # the kernel is behind: keep the records, try again later
             self.pushed_back += 1
             with self._lock:
@@ -382,6 +382,22 @@ def _checked(scalars: dict) -> dict:
 
 def _is_scalar_tensor(value) -> bool:
     return hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1
+
+
+def _encode(message: MetricsMessage) -> bytes:
+    """orjson, a tenth of the json module's time, unless a value is NaN or infinite (orjson would
+    write null; the json module writes NaN and Infinity, which the kernel reads back as they were)."""
+    import orjson
+
+    for record in message["records"]:
+        for values in (record[3], record[4]):
+            for value in values.values():
+                if value - value != 0:  # NaN or ±inf (x - x is 0 for every finite number)
+                    return json.dumps(message).encode()
+    try:
+        return orjson.dumps(message)
+    except TypeError:  # what orjson refuses (an int beyond 64 bits)
+        return json.dumps(message).encode()
 
 
 def _plain(scalars: dict) -> dict:
