@@ -39,10 +39,11 @@ def visible_gpus() -> list[str]:
 
 @dataclass(frozen=True)
 class EngineSlot:
-    """One engine to start: its slot number (rank order) and GPU, if any."""
+    """One engine to start: its slot number (rank order), GPU and host, if chosen here."""
 
     slot: int
     gpu: str | None = None
+    host: str | None = None  # --hosts: the host its engine starts on
 
     @property
     def device_type(self) -> str:

@@ -185,6 +185,8 @@ def fleet_parser() -> MagicParser:
                         help="also the engine's own frames and threads (ipykernel, zmq, workbench)")
     scale = sub.add_parser("scale", prog="%fleet scale", add_help=False)
     scale.add_argument("n", type=count, help="the new number of ranks")
+    scale.add_argument("--hosts", metavar="HOST:N,...", default=None,
+                       help="more hosts for the new engines (--launcher ssh), e.g. hostC:2")
     recover = sub.add_parser("recover", prog="%fleet recover", add_help=False)
     recover.add_argument("--shrink", action="store_true", help="go on without the lost ranks")
     replace = sub.add_parser("replace", prog="%fleet replace", add_help=False)

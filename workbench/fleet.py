@@ -36,6 +36,7 @@ from .notices import notice
 from .options import CellOptions, FleetOptions, TuneOptions, parse_duration, parse_size
 from .output import ProgressLine
 from .parking import AutoPark, Parked, Usage
+from .placement import Hosts
 from .pool import EnginePool, Member
 from .processes import Processes, one_line
 from .ranklogs import RankLogs
@@ -83,8 +84,10 @@ class Fleet:
         self._command_depth = 0
         self.cell_thread: int | None = None  # the thread running a cell on the ranks now
         self.stop_requested = threading.Event()  # stop() from another thread: that cell stops its ranks
+        hosts = options.placement()
         if self.launcher.name != "local" or self.attached:
-            slots = [EngineSlot(i) for i in range(options.n or 0)]
+            places = hosts.assign(options.n, []) if hosts else [None] * (options.n or 0)
+            slots = [EngineSlot(i, host=host) for i, host in enumerate(places)]
             self.device_type = "cuda" if options.backend == "nccl" else "cpu"
         else:
             slots = plan_engines(options.n, gpus, cpu=options.cpu)
@@ -100,7 +103,7 @@ class Fleet:
         self.hang_timeout = options.hang_timeout or None  # a rank without heartbeat or progress this long is hung
         self.processes = Processes(self.launcher, float(options.engine_timeout), self.attached)
         self.pool = EnginePool(self.processes, slots, self.device_type, float(options.engine_timeout),
-                               self._join_run)
+                               self._join_run, hosts)
         self.run_id: str | None = None
         self.run_dir: str | None = None
         self.metrics: FleetMetrics | None = None
@@ -250,7 +253,7 @@ class Fleet:
 
     def _stop_processes(self) -> None:
         client = self.pool.client
-        pids = [m.pid for m in self.pool.members + self.pool.spares]
+        pids = self.pool.local_pids()
         if client is not None and self.pool.members:
             self._finish_saves(client)
         if self.attached and client is not None:
@@ -355,7 +358,8 @@ class Fleet:
     def _join_all(self) -> list[int]:
         self.generation += 1
         return group.join_all(self.pool, backend=self.backend, timeout_s=self.pg_timeout,
-                              generation=self.generation, runtime_dir=self.runtime_dir)
+                              generation=self.generation, runtime_dir=self.runtime_dir,
+                              master_addr=self.options.master_addr)
 
     # ------------------------------------------------------------------ running code
     def targets(self, ranks) -> list[int]:
@@ -388,10 +392,15 @@ class Fleet:
         ranks = per_rank(self.metrics.store.since(self.group_mark))
         return {r: ratio for r, ratio in slow_ranks(ranks).items() if r < self.world_size}
 
-    def scale(self, n: int) -> dict:
+    def scale(self, n: int, hosts: str | None = None) -> dict:
         """Resize to ``n`` ranks mid-session: checkpoint, new process group, setup replay,
-        resharded restore (see :mod:`workbench.elastic`). Returns each phase's seconds."""
+        resharded restore (see :mod:`workbench.elastic`). Returns each phase's seconds.
+        ``hosts`` (``"hostC:2"``, ``--launcher ssh``): more hosts for the new engines."""
         with self.command():
+            if hosts is not None:
+                if self.pool.hosts is None:
+                    raise OptionsError("scale --hosts adds hosts to a fleet started with --hosts (--launcher ssh)")
+                self.pool.hosts.add(Hosts.parse(hosts))
             return elastic.scale(self, n)
 
     def recover(self, shrink: bool = False, replace: list[int] = ()) -> dict:

@@ -16,16 +16,22 @@ from .processes import one_line
 POLL_S = 0.5  # how often the joining ranks' processes are checked
 
 
-def join_all(pool: EnginePool, *, backend: str, timeout_s: float, generation: int, runtime_dir: str | None) -> list[int]:
+def join_all(pool: EnginePool, *, backend: str, timeout_s: float, generation: int, runtime_dir: str | None,
+             master_addr: str | None = None) -> list[int]:
     """Every rank joins a new group (generation ``generation``, on a fresh port); returns the
     ranks to replace (dead while joining, and the ranks left waiting for them), or [] once the
-    group is up. Records each rank's device on its member."""
+    group is up. Records each rank's device on its member. ``master_addr``: where the others
+    reach rank 0 (default: its address on the interface that routes to another rank's host)."""
     members = pool.members
     hosts = {m.host for m in members}
     rank0 = pool.client[pool.member(0).engine_id]
     single_host = len(hosts) == 1
     port = rank0.apply_async(rendezvous.free_port, single_host).get()
-    addr = rendezvous.LOOPBACK if single_host else rank0.apply_async(rendezvous.host_address).get()
+    if single_host:
+        addr = rendezvous.LOOPBACK
+    else:
+        peer = next(m.host for m in members if m.host != pool.member(0).host)
+        addr = master_addr or rank0.apply_async(rendezvous.host_address, peer).get()
     store = os.path.join(runtime_dir, f"store-{generation}") if single_host and runtime_dir else None
     pending = []
     started = time.monotonic()

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +55,12 @@ class LauncherSpec:
     def remote(self) -> bool:
         return self.name in REMOTE
 
+    @property
+    def stops_engines(self) -> bool:
+        """Its engines are stopped through the launcher, not asked to exit first: ipyparallel's ssh
+        launcher signals them by pid on their host, and one that already exited prints a traceback."""
+        return self.name == "ssh"
+
     def launcher_class(self):
         from ipyparallel.cluster.launcher import find_launcher_class
 
@@ -69,6 +77,14 @@ class LauncherSpec:
             raise OptionsError(f"the {self.name} launcher has no option {key!r}; it knows: "
                                f"{', '.join(sorted(known))}")
         return trait
+
+    def engine_set_kwargs(self, slot) -> dict:
+        """Traits of one rank's engine set: with ``--hosts``, the host its engine starts on."""
+        if self.name == "ssh" and slot.host is not None:
+            # a shared filesystem: the connection files are already there (scp onto the same path would
+            # truncate them)
+            return {"engines": {slot.host: {"n": 1, "to_send": []}}}
+        return {}
 
     def cluster_kwargs(self) -> dict:
         """Arguments for ``ipp.Cluster``: the engine launcher (local engines fork from the engine
@@ -87,7 +103,14 @@ class LauncherSpec:
             folder, name = os.path.split(os.path.abspath(self.config_file))
             cluster.config.merge(PyFileConfigLoader(name, path=folder).load_config())
         section = self.launcher_class().__name__
-        for trait, value in self.traits.items():
+        known = self.launcher_class().class_traits(config=True)
+        traits = {trait: shlex.split(value) if isinstance(value, str) and type(known[trait]).__name__ == "List"
+                  else value for trait, value in self.traits.items()}  # ssh_args='-i key -o BatchMode=yes'
+        if self.name == "ssh":  # a shared filesystem: the same Python (venv) on every host; scp as ssh
+            traits.setdefault("remote_python", sys.executable)
+            if "ssh_args" in traits:
+                traits.setdefault("scp_args", list(traits["ssh_args"]))
+        for trait, value in traits.items():
             cluster.config[section][trait] = value
 
     def environment(self) -> dict:

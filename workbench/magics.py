@@ -122,15 +122,17 @@ class WorkbenchMagics(Magics):
             rank's error. --launcher options pass through to ipyparallel's launcher by
             name; --profile / --cluster-id use the engines of a running ipcluster.
         %fleet status
-            Table of rank, engine id, pid, host, device, state and memory.
+            Table of rank, engine id, pid, host, device, state and memory; with
+            several hosts, grouped by host (node).
         %fleet stacks [--native] [--all]
             Where every rank's threads are now (Python frames; --native: C frames too,
             through py-spy), identical stacks grouped across ranks; nothing is stopped.
             --all: also the engine's own frames and threads.
-        %fleet scale N
+        %fleet scale N [--hosts HOST:N,...]
             Resize to N ranks, keeping training state: checkpoint, new process
             group, replay of the %%distributed --setup cells on every rank,
             resharded restore. Re-run the training cell to go on from workbench.step.
+            New engines go to the first host with a free slot; --hosts adds hosts.
         %fleet recover [--shrink]
             After an engine died: replace it (--shrink: go on without it), rebuild
             the process group, replay the --setup cells, then give every rank the
@@ -220,7 +222,7 @@ class WorkbenchMagics(Magics):
         elif args.command == "stacks":
             print(fleet.stacks(native=args.native, everything=args.everything))
         elif args.command == "scale":
-            fleet.scale(args.n)
+            fleet.scale(args.n, hosts=args.hosts)
         elif args.command == "recover":
             fleet.recover(shrink=args.shrink)
         elif args.command == "replace":

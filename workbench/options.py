@@ -278,6 +278,13 @@ class FleetOptions:
     """an option of the launcher, by its ipyparallel name (repeatable)"""
     launcher_config: str | None = flag(None, metavar="FILE")
     """a traitlets config file for the launcher"""
+    hosts: str | None = flag(None, metavar="HOST:N,...")
+    """with --launcher ssh: start the ranks on these hosts in order, N on each (default -n: their slots)"""
+    hostfile: str | None = flag(None, metavar="FILE")
+    """like --hosts, from a file: one 'HOST slots=N' (or HOST:N) a line"""
+    master_addr: str | None = flag(None, metavar="ADDR")
+    """the address the other ranks reach rank 0 at (default: rank 0's address on the interface that reaches
+    the other hosts)"""
     partition: str | None = None
     """batch partition (slurm/pbs)"""
     time: str | None = None
@@ -317,6 +324,16 @@ class FleetOptions:
         """The engines are those of an ipcluster that is already running (not ours)."""
         return self.profile is not None or self.cluster_id is not None
 
+    def placement(self):
+        """The hosts of ``--hosts`` / ``--hostfile`` (a :class:`~workbench.placement.Hosts`), or None."""
+        from .placement import Hosts
+
+        if self.hosts and self.hostfile:
+            raise OptionsError("give --hosts or --hostfile, not both")
+        if self.hosts:
+            return Hosts.parse(self.hosts)
+        return Hosts.read(self.hostfile) if self.hostfile else None
+
     def batch_options(self) -> dict:
         """``launcher_options`` plus the batch shortcuts that were set."""
         shortcuts = {k: getattr(self, k) for k in ("partition", "time", "account", "qos") if getattr(self, k)}
@@ -335,6 +352,15 @@ class FleetOptions:
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise OptionsError(f"--hang-timeout must be >= 0 seconds, 0 to turn it off (got {self.hang_timeout})")
         _choice(self.launcher, LAUNCHERS, "launcher")
+        hosts = self.placement()
+        if hosts is not None:
+            if self.launcher != "ssh":
+                raise OptionsError("--hosts/--hostfile place engines with --launcher ssh (Slurm, PBS and MPI place "
+                                   "them through their own allocation)")
+            if self.n is None:
+                return replace(self, n=hosts.total).validate()
+            if self.n > hosts.total:
+                raise OptionsError(f"-n {self.n} needs {self.n} slots but the hosts have {hosts.total} ({hosts})")
         if self.launcher != "local" or self.attached:
             if self.gpus:
                 raise OptionsError("--gpus picks GPUs of this machine; with a cluster launcher the scheduler "

@@ -25,7 +25,6 @@ checkpoint folder. It never uses the ipyparallel client, which is not thread-saf
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -113,7 +112,7 @@ def _checkpoints(folder: str) -> list:
 
 def _engine_row(member, stream, slow: float | None = None) -> EngineRow:
     state = "starting" if stream is None or stream.pid != member.pid else ("busy" if stream.busy else "idle")
-    if member.host == socket.gethostname() or member.host == "localhost":
+    if member.local:
         try:
             if psutil.Process(member.pid).status() == psutil.STATUS_ZOMBIE:
                 state = "dead"

@@ -26,6 +26,7 @@ from .errors import FleetError, OptionsError
 from .messages import Identity
 from .notices import notice
 from .output import ProgressLine
+from .placement import Hosts
 from .processes import CONTROLLER_TIMEOUT_S, HUB_SILENT_S, Processes, alive, exit_status, process_trees
 
 EXIT_GRACE_S = 5.0  # an engine whose launcher says it exited gets this long to show up registered
@@ -43,6 +44,11 @@ class Member:
     engine_set: str
     device: str = "cpu"
 
+    @property
+    def local(self) -> bool:
+        """Its engine runs on this host: its pid means something here (signals, liveness, the reaper)."""
+        return self.host in ("", "localhost", "127.0.0.1", socket.gethostname())
+
 
 class EnginePool:
     """The fleet's engines: ``members`` (rank order), ``spares`` (warm, outside the group) and
@@ -50,9 +56,10 @@ class EnginePool:
     that becomes a rank or a spare (the fleet attaches it to the run)."""
 
     def __init__(self, processes: Processes, slots: list[EngineSlot], device_type: str,
-                 engine_timeout: float, on_new_engines: Callable[[list[int]], None]) -> None:
+                 engine_timeout: float, on_new_engines: Callable[[list[int]], None], hosts: Hosts | None = None) -> None:
         self.processes = processes
         self.slots = slots
+        self.hosts = hosts  # --hosts: where engines may start, and how many on each
         self.device_type = device_type
         self.engine_timeout = engine_timeout
         self.on_new_engines = on_new_engines
@@ -89,7 +96,11 @@ class EnginePool:
         return views[engine_id]
 
     def record_pids(self) -> None:
-        self.processes.record_pids([m.pid for m in self.members + self.spares])
+        self.processes.record_pids(self.local_pids())
+
+    def local_pids(self) -> list[int]:
+        """The pids of the engines on this host (another host's pid numbers mean nothing here)."""
+        return [m.pid for m in self.members + self.spares if m.local]
 
     # ------------------------------------------------------------------ starting engines
     def start(self, progress: ProgressLine, started: float) -> None:
@@ -105,7 +116,7 @@ class EnginePool:
             **self.processes.launcher.environment(),
             "WORKBENCH_SLOT": str(slot.slot),
             "OMP_NUM_THREADS": os.environ.get(
-                "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.slots)))
+                "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self._engines_on(slot.host)))
             ),
             "PYTHONUNBUFFERED": "1",
         }
@@ -115,7 +126,8 @@ class EnginePool:
         self._set_counter += 1
         set_id = f"slot{slot.slot}-{self._set_counter}"
         try:
-            self.processes.cluster.start_engines_sync(n=1, engine_set_id=set_id, environment=env)
+            self.processes.cluster.start_engines_sync(n=1, engine_set_id=set_id, environment=env,
+                                                      **self.processes.launcher.engine_set_kwargs(slot))
         except BaseException:  # an interrupt half-way: no engine nobody knows of may come up later
             try:
                 self.processes.stop_engine_set(set_id)
@@ -124,6 +136,12 @@ class EnginePool:
             raise
         self.record_pids()  # before it registers: a kill of the kernel now must not orphan it
         return set_id
+
+    def _engines_on(self, host: str | None) -> int:
+        """How many engines share ``host``'s cores (its --hosts slots, else the fleet's engines there)."""
+        if self.hosts is not None and host in self.hosts.slots:
+            return self.hosts.slots[host]
+        return max(1, sum(s.host == host for s in self.slots))
 
     def _identify_new(self) -> None:
         """Ask engines that registered since the last call who they are (slot, pid, host)."""
@@ -226,6 +244,9 @@ class EnginePool:
         (by a rank, a spare, or a spare still starting)."""
         used = [m.slot for m in self.members + self.spares] + list(self.pending_spares.values())
         first = max(s.slot for s in used) + 1 if used else 0
+        if self.hosts is not None:  # ranks and spares count against their host's slots
+            places = self.hosts.assign(count, [s.host for s in used])
+            return [EngineSlot(first + i, host=host) for i, host in enumerate(places)]
         if self.device_type == "cpu":
             return [EngineSlot(first + i) for i in range(count)]
         busy = {s.gpu for s in used}
@@ -278,7 +299,7 @@ class EnginePool:
         while slots and self.spares:
             spare, slot = self.spares.pop(0), slots[0]
             slots = slots[1:]
-            spare.slot = EngineSlot(slot.slot, spare.slot.gpu)  # the rank's place; the spare's own GPU
+            spare.slot = EngineSlot(slot.slot, spare.slot.gpu, spare.slot.host)  # the rank's place; the spare's GPU, host
             self.members.append(spare)
             taken += 1
         if taken:
@@ -320,7 +341,7 @@ class EnginePool:
             self.processes.stop_engine_set(member.engine_set)
         gone = {m.engine_id for m in doomed}
         self.members = [m for m in self.members if m.engine_id not in gone]
-        psutil.wait_procs(process_trees([m.pid for m in doomed]), timeout=5)
+        psutil.wait_procs(process_trees([m.pid for m in doomed if m.local]), timeout=5)
         self._renumber()
 
     def replace(self, ranks: list[int]) -> None:
@@ -350,7 +371,7 @@ class EnginePool:
         remote = []
         for rank in ranks:
             member = self.member(rank)
-            if member.host != socket.gethostname():
+            if not member.local:
                 remote.append(rank)
                 continue
             try:
@@ -376,8 +397,7 @@ class EnginePool:
 
     def gone_ranks(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` whose engine ran on this host and whose process has ended."""
-        here = socket.gethostname()
-        return [r for r in ranks if self.member(r).host == here and not alive(self.member(r).pid)]
+        return [r for r in ranks if self.member(r).local and not alive(self.member(r).pid)]
 
     def loss(self, rank: int) -> tuple[str, str]:
         """Why rank ``rank``'s engine is lost: a headline (``rank 1 died (engine 3, pid 123, SIGKILL)``)
@@ -385,7 +405,7 @@ class EnginePool:
         is never called dead."""
         m = self.member(rank)
         who = f"engine {m.engine_id}, pid {m.pid}"
-        if m.host == socket.gethostname() and alive(m.pid):
+        if m.local and alive(m.pid):
             return (f"rank {rank} lost contact ({who}, process alive)",
                     f"the controller lost contact with rank {rank} ({who}): its process is alive but sent "
                     f"no heartbeat for {HUB_SILENT_S} s (the machine may be overloaded)")

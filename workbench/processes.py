@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -124,8 +123,9 @@ class Processes:
         pids = list(engine_pids)
         if self._template is not None:
             pids.append(self._template.pid)
-        engine_sets = self.cluster.engines.values() if self.cluster is not None else ()
-        for engine_set in engine_sets:  # the processes the launchers started, registered or not
+        # the processes the launchers started here, registered or not (ssh's are pids on other hosts)
+        engine_sets = self.cluster.engines.values() if self.cluster is not None and not self.launcher.remote else ()
+        for engine_set in engine_sets:
             pids += [p for p in (getattr(lc, "pid", None) for lc in getattr(engine_set, "launchers", {}).values())
                      if isinstance(p, int) and p > 0]
         controller = getattr(self.cluster, "controller", None)
@@ -163,11 +163,12 @@ class Processes:
             return
         processes = process_trees(engine_pids)
         if client is not None:
-            try:  # engines that exit by themselves exit cleanly (and quietly); no wait on the controller,
-                client.shutdown(targets="all", hub=False, block=False)  # which may be dead or frozen
-            except Exception:
-                pass
-            psutil.wait_procs([p for p in processes if p.pid in set(engine_pids)], timeout=5)
+            if not self.launcher.stops_engines:
+                try:  # engines that exit by themselves exit cleanly (and quietly); no wait on the controller,
+                    client.shutdown(targets="all", hub=False, block=False)  # which may be dead or frozen
+                except Exception:
+                    pass
+                psutil.wait_procs([p for p in processes if p.pid in set(engine_pids)], timeout=5)
             try:
                 client.close()
             except Exception:
@@ -258,9 +259,9 @@ def process_trees(pids: list[int]) -> list[psutil.Process]:
     return procs
 
 
-def resident_memory(host: str, pid: int) -> str:
-    """Resident memory of a local engine, read from outside (another host: unknown)."""
-    if host != socket.gethostname():
+def resident_memory(local: bool, pid: int) -> str:
+    """Resident memory of an engine on this host (``local``), read from outside (another host: unknown)."""
+    if not local:
         return "?"
     try:
         rss = psutil.Process(pid).memory_info().rss

@@ -58,11 +58,26 @@ def hostname() -> str:
     return os.environ.get("WORKBENCH_HOSTNAME") or socket.gethostname()
 
 
-def host_address() -> str:
-    """An address of this host that other hosts can reach (loopback for a simulated node)."""
+def host_address(peer: str | None = None) -> str:
+    """An address of this host that other hosts can reach: the one of the interface that routes to
+    ``peer`` (another rank's host), never a loopback one (``gethostbyname(getfqdn())`` is 127.0.1.1
+    on many Debian hosts); loopback for a simulated node."""
     if os.environ.get("WORKBENCH_HOSTNAME"):
         return LOOPBACK
-    return socket.gethostbyname(socket.getfqdn())
+    if peer:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((peer, 9))  # UDP: chooses the route, sends nothing
+                address = probe.getsockname()[0]
+            if not address.startswith("127."):
+                return address
+        except OSError:
+            pass
+    address = socket.gethostbyname(socket.getfqdn())
+    if address.startswith("127."):
+        raise RuntimeError(f"rank 0's host {socket.gethostname()} resolves to the loopback address {address} and no "
+                           f"route to {peer or 'the other hosts'} was found; give --master-addr ADDRESS")
+    return address
 
 
 def join(spec: dict) -> Joined:

@@ -57,7 +57,7 @@ def collect(members: list, run_dir: str, world: int, native: bool = False, every
         raise OptionsError("--native needs py-spy (pip install py-spy); without it, Python frames are shown")
     dumps: dict[int, str] = {}
     for member in members:
-        if not _local(member):
+        if not member.local:
             dumps[member.rank] = f"(engine on {member.host}: stacks are read from local engines only)"
         elif native:
             dumps[member.rank] = _py_spy(member.pid)
@@ -71,12 +71,6 @@ def collect(members: list, run_dir: str, world: int, native: bool = False, every
         lines.append(f"── rank {','.join(map(str, ranks))} of {world} ──")
         lines.append(text.rstrip())
     return "\n".join(lines)
-
-
-def _local(member) -> bool:
-    import socket
-
-    return member.host in (None, "", "localhost", "127.0.0.1", socket.gethostname())
 
 
 def _faulthandler_dump(path: str, pid: int, everything: bool) -> str:

@@ -27,9 +27,9 @@ def status_rows(pool: EnginePool, slow: dict[int, float] | None = None) -> list[
     rows = []
     for m in pool.members:
         try:
-            memory = asked[m.rank].get(timeout=2) if m.rank in asked else resident_memory(m.host, m.pid)
+            memory = asked[m.rank].get(timeout=2) if m.rank in asked else resident_memory(m.local, m.pid)
         except Exception:
-            memory = resident_memory(m.host, m.pid)
+            memory = resident_memory(m.local, m.pid)
         rows.append({"rank": m.rank, "engine": m.engine_id, "pid": m.pid, "host": m.host,
                      "device": m.device, "memory": memory,
                      "state": f"slow {slow[m.rank]:.1f}×" if m.rank in slow and states[m.rank] != "dead"

@@ -1,0 +1,80 @@
+"""Run on a simulated host by tests/test_cluster.py: a fleet whose ranks start on other hosts
+through ipyparallel's ssh launcher. Prints one JSON line of results last.
+
+``python cluster_driver.py '<ssh args>' '<hosts>' N '<more hosts>'``
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+
+from workbench import CellOptions, Fleet
+from workbench.status import status_rows, status_table
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, optimizer = accelerator.prepare(model, optimizer)
+"""
+TRAIN = """
+torch.manual_seed(100 + rank + workbench.step)
+for _ in range(5):
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+"""
+PARAMS = "[p.detach().clone() for p in model.parameters()]"
+WHERE = "import os, socket; (socket.gethostname(), os.environ['MASTER_ADDR'], os.environ['LOCAL_RANK'], os.environ['NODE_RANK'])"
+
+
+def same(a, b) -> bool:
+    return all((x == y).all().item() for x, y in zip(a, b, strict=True))
+
+
+def main() -> None:
+    ssh_args, hosts, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    result = {"kernel_host": socket.gethostname()}
+    started = time.monotonic()
+    with Fleet(n=n, launcher="ssh", hosts=hosts, launcher_options={"ssh_args": ssh_args}, engine_timeout=90,
+               progress=False, wandb=False, tensorboard=False, runs_dir="workbench-runs") as fleet:
+        result["start_s"] = time.monotonic() - started
+        result["where"] = fleet.run(WHERE, show_output=False)
+        result["status"] = status_table(status_rows(fleet.pool))
+        fleet.execute(SETUP, CellOptions(), show_output=False, setup=True)
+        fleet.run(TRAIN, show_output=False)
+        params = fleet.run(PARAMS, show_output=False)
+        result["ddp_ranks_agree"] = all(same(params[0], p) for p in params[1:])
+        fleet.checkpoints.save(tag="two-hosts")
+        fleet.run(TRAIN, show_output=False)
+        result["trained_on"] = not same(params[0], fleet.run(PARAMS, show_output=False)[0])
+        fleet.checkpoints.restore("two-hosts")
+        restored = fleet.run(PARAMS, show_output=False)
+        result["restore_exact"] = all(same(a, b) for a, b in zip(params, restored, strict=True))
+        scaled = time.monotonic()
+        fleet.scale(n + 1)
+        result["scale_s"] = time.monotonic() - scaled
+        result["where_scaled"] = fleet.run(WHERE, show_output=False)
+        after = fleet.run(PARAMS, show_output=False)
+        result["scaled_state_kept"] = all(same(params[0], p) for p in after)
+        fleet.run(TRAIN, show_output=False)
+        params = fleet.run(PARAMS, show_output=False)
+        result["ddp_ranks_agree_scaled"] = all(same(params[0], p) for p in params[1:])
+        result["status_scaled"] = status_table(status_rows(fleet.pool))
+        try:  # every slot is taken: refused in one line, nothing changed
+            fleet.scale(n + 2)
+        except Exception as exc:
+            result["no_slot_error"] = f"{type(exc).__name__}: {exc}"
+        result["ranks_after_refusal"] = fleet.world_size
+        fleet.scale(n + 2, hosts=sys.argv[4])
+        result["where_more_hosts"] = fleet.run(WHERE, show_output=False)
+        result["state_on_more_hosts"] = all(same(params[0], p) for p in fleet.run(PARAMS, show_output=False))
+        result["pids"] = [[m.host, m.pid] for m in fleet.pool.members]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

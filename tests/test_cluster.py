@@ -1,0 +1,103 @@
+"""Fleets across hosts, on hosts simulated here (tests/simhosts.py: network namespaces on a
+bridge, each with its own hostname and sshd; root only, skipped elsewhere with one line).
+The kernel runs on hostA (tests/cluster_driver.py); ``--hosts`` places the ranks through
+ipyparallel's ssh launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from simhosts import SimulatedHosts, can_simulate
+
+from workbench import FleetOptions
+from workbench.errors import OptionsError
+from workbench.placement import Hosts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_hosts_fill_in_order_and_refuse_in_one_line(tmp_path):
+    hosts = Hosts.parse("hostA:2,hostB:2")
+    assert hosts.assign(3, []) == ["hostA", "hostA", "hostB"]
+    assert hosts.assign(1, ["hostA", "hostB", "hostA"]) == ["hostB"]
+    with pytest.raises(OptionsError, match=r"^2 more engines need 2 free slots but the hosts have 1 \(free: hostB:1\); "
+                                           r"add hosts with --hosts HOST:N$"):
+        hosts.assign(2, ["hostA", "hostA", "hostB"])
+    hosts.add(Hosts.parse("hostC"))
+    assert hosts.assign(2, ["hostA", "hostA", "hostB"]) == ["hostB", "hostC"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the cluster\nnode1 slots=4\nnode2:2\nnode3\n\n")
+    assert Hosts.read(str(hostfile)).slots == {"node1": 4, "node2": 2, "node3": 1}
+    hostfile.write_text("node1 slots=x\n")
+    with pytest.raises(OptionsError, match=r"line 1: expected 'HOST slots=N'"):
+        Hosts.read(str(hostfile))
+    for bad in ("hostA:0", "hostA:2,hostA:1", "host A", ""):
+        with pytest.raises(OptionsError):
+            Hosts.parse(bad)
+
+
+def test_hosts_options_are_checked_before_anything_starts():
+    assert FleetOptions(launcher="ssh", hosts="a:2,b:2").validate().n == 4  # -n defaults to the slots
+    with pytest.raises(OptionsError, match=r"-n 5 needs 5 slots but the hosts have 4 \(a:2,b:2\)"):
+        FleetOptions(n=5, launcher="ssh", hosts="a:2,b:2").validate()
+    with pytest.raises(OptionsError, match="place engines with --launcher ssh"):
+        FleetOptions(n=2, hosts="a:2").validate()
+    with pytest.raises(OptionsError, match="--hosts or --hostfile, not both"):
+        FleetOptions(launcher="ssh", hosts="a:2", hostfile="/x").validate()
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    why = can_simulate()
+    if why:
+        pytest.skip(why)
+    with SimulatedHosts(["hostA", "hostB", "hostC"]) as simulated:
+        yield simulated
+
+
+def _others(hosts, host) -> list[int]:
+    """Processes on ``host`` other than its sshd listener."""
+    return [p for p in hosts.pids(host) if "sshd" not in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
+
+
+def test_a_fleet_across_hosts_over_ssh(hosts, tmp_path):
+    started = time.monotonic()
+    driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), " ".join(hosts.ssh_args),
+                                 "hostA:1,hostB:2", "2", "hostC:1"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        out, err = driver.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        out, err = driver.communicate()
+    assert driver.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    print(f"2 hosts: started in {result['start_s']:.1f} s, scaled onto hostB in {result['scale_s']:.1f} s; "
+          f"whole test {time.monotonic() - started:.0f} s\n{result['status_scaled']}")
+    address = hosts.addresses["hostA"]
+    assert result["kernel_host"] == "hostA"
+    # rank 0 on hostA, rank 1 on hostB; rank 0's address is hostA's interface, never loopback
+    assert result["where"] == [["hostA", address, "0", "0"], ["hostB", address, "0", "1"]]
+    assert "node 0: hostA (1 rank)" in result["status"] and "node 1: hostB (1 rank)" in result["status"]
+    assert result["ddp_ranks_agree"] and result["trained_on"] and result["restore_exact"]
+    # scale-up takes hostB's free slot; the state comes along
+    assert [w[0] for w in result["where_scaled"]] == ["hostA", "hostB", "hostB"]
+    assert [w[2:] for w in result["where_scaled"]] == [["0", "0"], ["0", "1"], ["1", "1"]]
+    assert "node 1: hostB (2 ranks)" in result["status_scaled"]
+    assert result["scaled_state_kept"] and result["ddp_ranks_agree_scaled"]
+    # no slot left: one line, nothing changed; --hosts adds one
+    assert result["no_slot_error"] == ("OptionsError: 1 more engines need 1 free slots but the hosts have 0 (free: none); "
+                                       "add hosts with --hosts HOST:N")
+    assert result["ranks_after_refusal"] == 3
+    assert [w[0] for w in result["where_more_hosts"]] == ["hostA", "hostB", "hostB", "hostC"]
+    assert result["state_on_more_hosts"]
+    # nothing of the fleet outlives it, on any host
+    deadline = time.monotonic() + 15
+    while any(_others(hosts, h) for h in hosts.names) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_others(hosts, h) for h in hosts.names), {h: _others(hosts, h) for h in hosts.names}
