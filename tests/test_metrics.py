@@ -687,3 +687,37 @@ def test_one_throughput_figure_in_every_place_by_hand(tmp_path, monkeypatch):
         assert f"{steps_rate:.1f} steps/s" in dashboard._bars[rank][1].value  # the dashboard's progress label
         assert steps_per_second(mine[1:]) == pytest.approx(steps_rate, rel=1e-9)
     assert float(table["all"][6]) == pytest.approx(fleet_rate, rel=1e-3)
+
+
+def test_the_collector_takes_only_messages_signed_with_the_runs_key(tmp_path):
+    """Also over TCP (engines on other hosts): a message without the run's signature is dropped,
+    counted and named once."""
+    import zmq
+
+    from workbench.messages import sign
+    from workbench.metrics.collector import MetricsCollector
+
+    collector = MetricsCollector(str(tmp_path), str(tmp_path), network=True)
+    try:
+        address = collector.address_for("127.0.0.1", local=False)
+        assert address == f"tcp://127.0.0.1:{collector.port}"
+        context = zmq.Context()
+        push = context.socket(zmq.PUSH)
+        push.connect(address)
+        message = {"pid": 7, "rank": 0, "dropped": 0, "total": None, "memory": {}, "beat": None,
+                   "records": [[1.0, 1, 0, {"loss": 0.5}, {"step_time_s": 0.1}]]}
+        data = json.dumps(message).encode()
+        push.send_multipart([b"x" * 32, data])  # a wrong signature
+        push.send(data)  # none
+        push.send_multipart([sign(bytes.fromhex(collector.key), data), data])
+        deadline = time.monotonic() + 10
+        while len(collector.store) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(collector.store) == 1 and collector.store.since(0)[0].scalars == {"loss": 0.5}
+        assert collector.rejected == 2
+        assert collector.take_errors() == ["metrics: a message without a valid signature was ignored (not from "
+                                           "this fleet's ranks)"]
+        push.close(linger=0)
+        context.term()
+    finally:
+        collector.close()

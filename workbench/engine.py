@@ -267,14 +267,14 @@ def warm() -> None:
     from . import checkpoint, strategies  # noqa: F401
 
 
-def attach(metrics_address: str, run_dir: str, checkpoint_dir: str, memory_limit: int | None = None,
+def attach(metrics_address: str, metrics_key: str, run_dir: str, checkpoint_dir: str, memory_limit: int | None = None,
            cpu: bool = True) -> None:
-    """Join the fleet run: metrics go to the kernel's collector, checkpoints to ``checkpoint_dir``,
-    and ``memory_limit`` bytes at most (:func:`limit_memory`)."""
+    """Join the fleet run: metrics go to the kernel's collector (signed with ``metrics_key``),
+    checkpoints to ``checkpoint_dir``, and ``memory_limit`` bytes at most (:func:`limit_memory`)."""
     STATE.run_dir, STATE.checkpoint_dir = run_dir, checkpoint_dir
     batch_process.become_batch_process()
     stacks.enable(run_dir)
-    LOGGER.attach(metrics_address)
+    LOGGER.attach(metrics_address, metrics_key)
     limit_memory(memory_limit, cpu)
 
 

@@ -37,7 +37,7 @@ from .options import CellOptions, FleetOptions, TuneOptions, parse_duration, par
 from .output import ProgressLine
 from .parking import AutoPark, Parked, Usage
 from .placement import Hosts
-from .pool import EnginePool, Member
+from .pool import EnginePool, Member, is_this_host
 from .processes import Processes, one_line
 from .ranklogs import RankLogs
 from .run_record import RunRecord
@@ -200,6 +200,7 @@ class Fleet:
                 {"name": self.record.name, "ranks": len(self.pool.slots), "backend": self.backend,
                  "device_type": self.device_type, "fleet": options, **self.record.config},
                 wandb=self.options.wandb, tensorboard=self.options.tensorboard,
+                network=self.launcher.remote or self.attached,  # engines on other hosts send over TCP
             )
             if self.metrics.tensorboard is not None:
                 self.metrics.tensorboard.hparams.update(_flat({"name": self.record.name, "ranks": len(self.pool.slots),
@@ -306,10 +307,17 @@ class Fleet:
         return f"<workbench.Fleet {state}>"
 
     def _join_run(self, engine_ids: list[int]) -> None:
-        """New engines join the run: metrics to the collector, checkpoints under the run, memory limit."""
-        self.pool.client[engine_ids].apply_async(engine.attach, self.metrics.address, self.run_dir,
-                                                self.checkpoint_dir, self.memory_limit,
-                                                self.device_type == "cpu").get()
+        """New engines join the run: metrics to the collector (this host's engines through its Unix
+        socket, other hosts' over TCP), checkpoints under the run, memory limit."""
+        collector = self.metrics.collector
+        by_address: dict[str, list[int]] = {}
+        for engine_id in engine_ids:
+            host = self.pool.host_of(engine_id)
+            by_address.setdefault(collector.address_for(host, is_this_host(host)), []).append(engine_id)
+        for address, ids in by_address.items():
+            self.pool.client[ids].apply_async(engine.attach, address, collector.key, self.run_dir,
+                                              self.checkpoint_dir, self.memory_limit,
+                                              self.device_type == "cpu").get()
 
     def adopt_spares(self) -> None:
         """Spare engines that registered since become warm (torch and accelerate imported)."""

@@ -47,7 +47,11 @@ class Member:
     @property
     def local(self) -> bool:
         """Its engine runs on this host: its pid means something here (signals, liveness, the reaper)."""
-        return self.host in ("", "localhost", "127.0.0.1", socket.gethostname())
+        return is_this_host(self.host)
+
+
+def is_this_host(host: str | None) -> bool:
+    return host in (None, "", "localhost", "127.0.0.1", socket.gethostname())
 
 
 class EnginePool:
@@ -136,6 +140,10 @@ class EnginePool:
             raise
         self.record_pids()  # before it registers: a kill of the kernel now must not orphan it
         return set_id
+
+    def host_of(self, engine_id: int) -> str:
+        """The host an engine said it runs on when it registered."""
+        return self._identities[engine_id]["host"]
 
     def _engines_on(self, host: str | None) -> int:
         """How many engines share ``host``'s cores (its --hosts slots, else the fleet's engines there)."""

@@ -133,9 +133,9 @@ def _open_run(runs_dir: str | None, spec) -> ScriptRun:
         metrics = FleetMetrics(run_id, run_dir, runtime_dir, lambda: spec.world_size,
                                {"ranks": spec.world_size, "backend": spec.backend, "script": sys.argv[0]})
         run = ScriptRun(run_id, run_dir, metrics, runtime_dir)
-        shared = [(run_id, run_dir, metrics.address)]
+        shared = [(run_id, run_dir, metrics.address, metrics.collector.key)]
     dist.broadcast_object_list(shared, src=0)
-    run_id, run_dir, address = shared[0]
+    run_id, run_dir, address, key = shared[0]
     if spec.node_rank == 0:
-        LOGGER.attach(address)
+        LOGGER.attach(address, key)
     return run or ScriptRun(run_id, run_dir)

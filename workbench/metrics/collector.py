@@ -6,7 +6,10 @@ value per key and the hub does not keep it, while the dashboard, the metrics
 file and wandb need every record, in order. A PUSH/PULL pipe over one
 connection per engine is ordered and lossless while both ends live, needs no
 extra service, and batches cheaply. The socket is a Unix socket (``ipc://``)
-in the fleet's private runtime folder, so nothing listens on the network.
+in the fleet's private runtime folder; only a fleet with engines on other hosts
+(``network=True``) also listens on TCP, as its controller does. Every message is
+signed with the run's key (HMAC-SHA256, given to the engines over ipyparallel's
+signed channel): one without a valid signature is dropped and counted.
 
 A receiver thread adds records to the :class:`MetricsStore` and writes them
 to ``metrics.jsonl`` and wandb as they come.
@@ -14,13 +17,17 @@ to ``metrics.jsonl`` and wandb as they come.
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
+import socket
 import threading
 import time
 
 import orjson
 
+from ..messages import sign
 from .store import MetricsStore, json_safe
 
 RECEIVE_HWM = 64  # messages queued here before the senders feel back-pressure
@@ -92,10 +99,13 @@ def _line(record) -> bytes:
 class MetricsCollector:
     """The kernel's end of the metrics pipe for one fleet run."""
 
-    def __init__(self, run_dir: str, runtime_dir: str, sinks: list | None = None) -> None:
+    def __init__(self, run_dir: str, runtime_dir: str, sinks: list | None = None, network: bool = False) -> None:
         import zmq
 
         self.run_dir = run_dir
+        self.key = secrets.token_hex(32)  # the senders sign each message with it
+        self._key = bytes.fromhex(self.key)
+        self.rejected = 0  # messages dropped for a bad signature
         jsonl = os.path.join(run_dir, "metrics.jsonl")
         self.store = MetricsStore(spill_path=jsonl)
         self.sinks = [JsonlSink(jsonl), *(sinks or [])]
@@ -107,6 +117,7 @@ class MetricsCollector:
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         self.address = f"ipc://{os.path.join(runtime_dir, 'metrics.sock')}"
         self._socket.bind(self.address)
+        self.port = self._socket.bind_to_random_port("tcp://*") if network else None
         self._stopping = threading.Event()
         self._wake_read, self._wake_write = os.pipe()  # flush() wakes the receiver at once, not after its poll
         os.set_blocking(self._wake_write, False)
@@ -129,10 +140,16 @@ class MetricsCollector:
             if self._socket in ready:
                 while True:
                     try:
-                        raw = self._socket.recv(zmq.NOBLOCK)
+                        frames = self._socket.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._ingest(raw)
+                    if len(frames) == 2 and hmac.compare_digest(frames[0], sign(self._key, frames[1])):
+                        self._ingest(frames[1])
+                    else:
+                        self.rejected += 1
+                        if self.rejected == 1:
+                            self.errors.append("metrics: a message without a valid signature was ignored (not from "
+                                               "this fleet's ranks)")
             if self._flush_wanted.is_set():
                 self._flush_wanted.clear()
                 self._each_sink("flush")
@@ -159,6 +176,15 @@ class MetricsCollector:
             except Exception as exc:  # a sink must not stop the others (or the pipe)
                 self.errors.append(f"{type(sink).__name__} stopped: {type(exc).__name__}: {exc}")
                 self.sinks.remove(sink)
+
+    def address_for(self, host: str, local: bool) -> str:
+        """Where an engine on ``host`` sends: the Unix socket on this host (``local``), else TCP on
+        the address of the interface that routes to ``host``."""
+        if local or self.port is None:
+            return self.address
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # UDP: chooses the route, sends nothing
+            return f"tcp://{probe.getsockname()[0]}:{self.port}"
 
     def flush(self, timeout: float = 2.0) -> bool:
         """End of a cell: have the receiver push what it has to the sinks (bounded wait)."""

@@ -22,7 +22,7 @@ ARRIVAL_WAIT_S = 3.0  # a cell waits this long at most for its last records
 
 class FleetMetrics:
     def __init__(self, run_id: str, run_dir: str, runtime_dir: str, world_size, config: dict,
-                 wandb: bool | None = None, tensorboard: bool | None = None) -> None:
+                 wandb: bool | None = None, tensorboard: bool | None = None, network: bool = False) -> None:
         self.run_id = run_id
         self.run_dir = run_dir
         self.wandb = WandbSink(run_dir, run_id, world_size, config) if (
@@ -30,7 +30,7 @@ class FleetMetrics:
         self.tensorboard = TensorBoardSink(run_dir, world_size) if (
             tensorboard_available() if tensorboard is None else tensorboard) else None
         sinks = [sink for sink in (self.wandb, self.tensorboard) if sink is not None]
-        self.collector = MetricsCollector(run_dir, runtime_dir, sinks)
+        self.collector = MetricsCollector(run_dir, runtime_dir, sinks, network=network)
         self._dashboard = None
 
     @property

@@ -23,7 +23,7 @@ import threading
 import time
 from numbers import Number
 
-from ..messages import Beat, MetricsMessage
+from ..messages import Beat, MetricsMessage, sign
 from .comm import CommClock
 from .gpu import GpuProbe
 
@@ -64,6 +64,7 @@ class MetricsLogger:
         self._flush = threading.Event()
         self._thread: threading.Thread | None = None
         self._address: str | None = None
+        self._key = b""  # the run's key: each message is signed with it
         self._suspended = False
         self.cell_started()
 
@@ -212,9 +213,10 @@ class MetricsLogger:
             self._buffer.append(record)
 
     # ------------------------------------------------------------ sender
-    def attach(self, address: str) -> None:
-        """Send records to the collector at ``address`` (started once per process)."""
-        self._address = address
+    def attach(self, address: str, key: str) -> None:
+        """Send records to the collector at ``address``, signed with ``key`` (the run's; hex)
+        (the sender thread starts once per process)."""
+        self._address, self._key = address, bytes.fromhex(key)
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._send_loop, name="workbench-metrics", daemon=True)
             self._thread.start()
@@ -237,13 +239,18 @@ class MetricsLogger:
         socket = context.socket(zmq.PUSH)
         socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         socket.setsockopt(zmq.LINGER, 1000)
-        socket.connect(self._address)
+        connected = self._address
+        socket.connect(connected)
         self._last_sent = 0.0
         self._pulse = _Pulse()
         while True:
             self._flush.wait(SEND_EVERY_S)
             self._flush.clear()
             try:
+                if self._address != connected:  # attached to another fleet's run (engines of an ipcluster)
+                    socket.disconnect(connected)
+                    connected = self._address
+                    socket.connect(connected)
                 while self._send_batch(socket, zmq):
                     pass
             except Exception as exc:  # the sender (and with it the heartbeat) must outlive any one message
@@ -268,7 +275,8 @@ class MetricsLogger:
             records=[[t, seq, step, _plain(scalars), _plain(system)] for t, seq, step, scalars, system in batch],
         )
         try:
-            socket.send(_encode(message), zmq.NOBLOCK)
+            data = _encode(message)
+            socket.send_multipart([sign(self._key, data), data], zmq.NOBLOCK)
         except zmq.Again:  # the kernel is behind: keep the records, try again later
             self.pushed_back += 1
             with self._lock:
