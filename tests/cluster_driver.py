@@ -1,7 +1,9 @@
 """Run on a simulated host by tests/test_cluster.py: a fleet whose ranks start on other hosts
 through ipyparallel's ssh launcher. Prints one JSON line of results last.
 
-``python cluster_driver.py '<ssh args>' '<hosts>' N '<more hosts>'``
+``python cluster_driver.py placement '<ssh args>' '<hosts>' N '<more hosts>'``
+``python cluster_driver.py host_loss '<ssh args>' '<hosts>' N``: prints ``CELL STARTED`` when a
+long training cell starts (the test then kills or cuts off the last host).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def same(a, b) -> bool:
     return all((x == y).all().item() for x, y in zip(a, b, strict=True))
 
 
-def main() -> None:
-    ssh_args, hosts, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def placement() -> None:
+    ssh_args, hosts, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
     result = {"kernel_host": socket.gethostname()}
     started = time.monotonic()
     with Fleet(n=n, launcher="ssh", hosts=hosts, launcher_options={"ssh_args": ssh_args}, engine_timeout=90,
@@ -69,12 +71,55 @@ def main() -> None:
         except Exception as exc:
             result["no_slot_error"] = f"{type(exc).__name__}: {exc}"
         result["ranks_after_refusal"] = fleet.world_size
-        fleet.scale(n + 2, hosts=sys.argv[4])
+        fleet.scale(n + 2, hosts=sys.argv[5])
         result["where_more_hosts"] = fleet.run(WHERE, show_output=False)
         result["state_on_more_hosts"] = all(same(params[0], p) for p in fleet.run(PARAMS, show_output=False))
-        result["pids"] = [[m.host, m.pid] for m in fleet.pool.members]
+        result["metrics_from_ranks"] = sorted(fleet.metrics.store.streams)  # records or heartbeats
+        result["unsigned_metrics"] = fleet.metrics.collector.rejected
+    print(json.dumps(result))
+
+
+LONG_TRAIN = """
+import time
+print("CELL STARTED", flush=True)
+for _ in range(400):
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+    time.sleep(0.05)
+"""
+
+
+def host_loss() -> None:
+    ssh_args, hosts, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
+    result = {}
+    with Fleet(n=n, launcher="ssh", hosts=hosts, launcher_options={"ssh_args": ssh_args}, engine_timeout=90,
+               progress=False, wandb=False, tensorboard=False, runs_dir="workbench-runs") as fleet:
+        fleet.execute(SETUP, CellOptions(), show_output=False, setup=True)
+        fleet.run(TRAIN, show_output=False)
+        try:
+            fleet.run(LONG_TRAIN, show_output=True)
+        except Exception as exc:
+            result["failed_at"] = time.time()
+            result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            result["notes"] = " ".join(getattr(exc, "notes", None) or [])
+        try:  # no host has a free slot for the lost rank
+            fleet.recover()
+        except Exception as exc:
+            result["recover_error"] = f"{type(exc).__name__}: {exc}"
+        recovered = time.monotonic()
+        fleet.recover(shrink=True)
+        result["recover_s"] = time.monotonic() - recovered
+        result["ranks_after"] = fleet.world_size
+        result["where_after"] = fleet.run(WHERE, show_output=False)
+        params = fleet.run(PARAMS, show_output=False)
+        result["survivors_agree"] = all(same(params[0], p) for p in params[1:])
+        result["step_after_recover"] = fleet.run("workbench.step", show_output=False)
+        fleet.run(TRAIN, show_output=False)
+        params = fleet.run(PARAMS, show_output=False)
+        result["trains_on"] = all(same(params[0], p) for p in params[1:])
+        result["step_after_training"] = fleet.run("workbench.step", show_output=False)
     print(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main()
+    {"placement": placement, "host_loss": host_loss}[sys.argv[1]]()

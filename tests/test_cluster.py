@@ -67,8 +67,8 @@ def _others(hosts, host) -> list[int]:
 
 def test_a_fleet_across_hosts_over_ssh(hosts, tmp_path):
     started = time.monotonic()
-    driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), " ".join(hosts.ssh_args),
-                                 "hostA:1,hostB:2", "2", "hostC:1"],
+    driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), "placement",
+                                 " ".join(hosts.ssh_args), "hostA:1,hostB:2", "2", "hostC:1"],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         out, err = driver.communicate(timeout=400)
@@ -96,8 +96,56 @@ def test_a_fleet_across_hosts_over_ssh(hosts, tmp_path):
     assert result["ranks_after_refusal"] == 3
     assert [w[0] for w in result["where_more_hosts"]] == ["hostA", "hostB", "hostB", "hostC"]
     assert result["state_on_more_hosts"]
+    # hostB's and hostC's ranks sent their metrics over TCP, signed with the run's key
+    assert result["metrics_from_ranks"] == [0, 1, 2, 3] and result["unsigned_metrics"] == 0
     # nothing of the fleet outlives it, on any host
     deadline = time.monotonic() + 15
     while any(_others(hosts, h) for h in hosts.names) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_others(hosts, h) for h in hosts.names), {h: _others(hosts, h) for h in hosts.names}
+
+
+def test_a_killed_host_is_named_in_seconds_and_the_others_keep_their_state(hosts, tmp_path):
+    """Every process of hostC killed mid-cell (the machine died): the cell fails within 5 s naming
+    the host; the healthy ranks are not killed; recover --shrink goes on from their live replica."""
+    driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), "host_loss",
+                                 " ".join(hosts.ssh_args), "hostA:1,hostB:1,hostC:1", "3"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    lines = []
+    try:
+        for line in driver.stdout:
+            lines.append(line)
+            if "CELL STARTED" in line:
+                break
+        time.sleep(2.0)  # a few steps in
+        killed_at = time.time()
+        hosts.kill_host("hostC")
+        out, err = driver.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        out, err = driver.communicate()
+    finally:
+        _restart_sshd(hosts, "hostC")
+    assert driver.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    noticed = result["failed_at"] - killed_at
+    print(f"hostC killed: the cell failed after {noticed:.1f} s: {result['error']}; recover --shrink "
+          f"{result['recover_s']:.1f} s")
+    assert noticed < 5.0, noticed
+    assert result["error"] == ("DistributedCellError: host hostC lost (ranks 2): its ranks went silent and the host "
+                               "refuses connections (its processes are gone); the other ranks failed because of it")
+    assert "The other ranks keep their state" in result["notes"]
+    assert result["recover_error"] == ("OptionsError: rank 2 ran on hostC, which is lost, and no other host has a free "
+                                       "slot: %fleet recover --shrink goes on without them (then %fleet scale N "
+                                       "--hosts HOST:K adds a host)")
+    assert result["ranks_after"] == 2 and [w[0] for w in result["where_after"]] == ["hostA", "hostB"]
+    assert result["survivors_agree"] and result["trains_on"]
+    steps = result["step_after_recover"]
+    assert steps[0] == steps[1] > 5, steps  # the live state: the steps trained before and in the failed cell
+    assert result["step_after_training"] == [steps[0] + 5] * 2
+
+
+def _restart_sshd(hosts, host):
+    """The host comes back (for the tests after this one)."""
+    hosts._start_sshd(host)
+    hosts._wait_ssh(host)

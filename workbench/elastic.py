@@ -255,6 +255,8 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     busy = _release_busy(fleet, phases) if unfinished is not None else []
     died = fleet.pool.dead_ranks(settle_s=0.5)
     dead = sorted(set(died) | set(replace))
+    if not shrink:
+        fleet.pool.replaceable(dead)  # a lost host's ranks need a free slot elsewhere: refused first if none
     replaced_before = set(fleet.fresh_ranks) | set(busy)  # fresh engines already, with no state yet
     tag = unfinished.tag if unfinished is not None and unfinished.tag else "latest"
     sources = None if tag != "latest" else _keep_live_state(fleet, set(dead) | replaced_before)

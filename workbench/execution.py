@@ -27,6 +27,7 @@ from .errors import FleetError, WorkbenchError
 from .messages import CellReply
 from .notices import debug, notice
 from .output import RankOutput, last_line
+from .pool import PROBE_TIMEOUT_S, QUIET_S
 from .watchdog import HangWatch
 
 POLL_S = 0.1  # streaming refresh and timeout granularity; results wake us at once
@@ -96,7 +97,9 @@ class DistributedCellError(WorkbenchError):
         elif timed_out is not None and not primary:
             what = f"timed out after --timeout {timed_out:g} s"
         if self.lost and not interrupted:  # the root cause leads, not a survivor's "Connection closed"
-            super().__init__(f"{'; '.join(self.lost.values())} of {world}; the other ranks failed because of it")
+            causes = "; ".join(dict.fromkeys(self.lost.values()))  # a lost host's ranks share one headline
+            of = "" if causes.startswith("host ") else f" of {world}"  # a host's headline names its ranks
+            super().__init__(f"{causes}{of}; the other ranks failed because of it")
             return
         super().__init__(f"{what} (rank {ranks} of {world})")
 
@@ -168,6 +171,11 @@ class _Stopper:
         self.done.extend(ready)
         return ready
 
+    def postpone(self, action: str, delay: float) -> None:
+        """Take ``action`` again ``delay`` seconds after the start (it was due, and waits for news)."""
+        self.steps = [(delay if a == action else d, a) for d, a in self.steps]
+        self.done.remove(action)
+
     def hurry(self) -> None:
         """A second interrupt: go straight to the last step."""
         self.steps = [(0.0, action) for _, action in self.steps]
@@ -220,7 +228,7 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
     failed_at = None
     released = killed = False
     interrupted = timed_out = False
-    last_pid_check = started
+    last_pid_check = last_host_check = started
 
     def refresh(force=False):
         nonlocal shown_outputs
@@ -264,6 +272,20 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
                     failures.append(RankFailure(rank, reply["ename"], reply["evalue"], ""))
                     if stopper is None:
                         stopper, failed_at = _Stopper("failure", now), time.time()
+            if now - last_host_check >= PID_CHECK_S and fleet.metrics is not None:
+                last_host_check = now  # a host that died or is cut off: its ranks never answer
+                if lost_now := fleet.pool.lost_hosts_now(fleet.metrics.store, time.time()):
+                    for rank in sorted(pending):
+                        if (headline := lost_now.get(fleet.member(rank).host)) is not None:
+                            failures.append(RankFailure(rank, "HostLost", headline, ""))
+                        else:  # in a collective with the lost ranks: it ends the cell by itself, state kept
+                            failures.append(RankFailure(rank, "Abandoned", "left waiting for the lost host", "",
+                                                        stopped=True))
+                        result.replies[rank] = CellReply(ok=False, ename=failures[-1].ename,
+                                                         evalue=failures[-1].evalue, traceback="")
+                    pending.clear()
+                    failed_at = failed_at or time.time()
+                    break
             if fleet.stop_requested.is_set() and stopper is None:  # Fleet.stop() from another thread
                 interrupted, stopper = True, _Stopper("interrupt", now)
             if timeout is not None and stopper is None and now - started > timeout:
@@ -285,8 +307,13 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
                         killed = True
                         _kill(fleet, pending, failures, result, stuck)
                     if action == "kill" and pending:
-                        killed = True
-                        _kill(fleet, pending, failures, result, sorted(pending))
+                        quiet = [r for r in pending if fleet.pool.quiet(r, fleet.metrics.store, time.time())
+                                 and now - stopper.at < 3 * QUIET_S + PROBE_TIMEOUT_S]
+                        if quiet:
+                            stopper.postpone("kill", now - stopper.at + 0.5)  # its host may be lost: wait to know
+                        if doomed := sorted(r for r in pending if r not in quiet):
+                            killed = True
+                            _kill(fleet, pending, failures, result, doomed)
         except KeyboardInterrupt:
             interrupted = True
             if stopper is None or stopper.reason == "failure":
@@ -360,12 +387,12 @@ def _act(fleet, action: str, pending: dict) -> str:
     if action == "sigint":
         fleet.pool.signal(running, signal.SIGINT)
     elif action == "release":
-        idle = [r for r in range(fleet.world_size) if r not in pending]
+        idle = [r for r in range(fleet.world_size) if r not in pending and not fleet.pool.on_lost_host(r)]
         if idle:
             # closing the group's sockets on idle ranks releases peers blocked in a collective
             peers = [fleet.member(r).pid for r in running]
-            try:
-                fleet.client[fleet.engine_ids(idle)].apply_async(rendezvous.leave, peers).get(timeout=5)
+            try:  # not waited for: the cell's loop goes on watching (a lost host, the kill step)
+                fleet.client[fleet.engine_ids(idle)].apply_async(rendezvous.leave, peers)
             except Exception:
                 pass  # an idle rank that cannot answer is handled by the kill step
             return "released"
@@ -400,6 +427,11 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tupl
     losses = {r: fleet.pool.loss(r) for r in dead}  # (headline, explanation), before the engines are replaced
     causes = {r: explanation for r, (_, explanation) in losses.items()}
     lost.update({r: headline for r, (headline, _) in losses.items()})
+    if any(fleet.pool.on_lost_host(r) for r in dead):  # the survivors keep their state for %fleet recover
+        hosts = sorted({fleet.member(r).host for r in dead if fleet.pool.on_lost_host(r)})
+        return [f"{'; '.join(fleet.pool.lost_hosts[h] for h in hosts)}. The other ranks keep their state: "
+                "%fleet recover --shrink goes on without the lost ranks, %fleet recover puts them on a host with a "
+                "free --hosts slot; other cells are refused until then"], dead
     if dead:
         fleet.replace(dead)
         torn = True

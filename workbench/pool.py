@@ -30,6 +30,10 @@ from .placement import Hosts
 from .processes import CONTROLLER_TIMEOUT_S, HUB_SILENT_S, Processes, alive, exit_status, process_trees
 
 EXIT_GRACE_S = 5.0  # an engine whose launcher says it exited gets this long to show up registered
+QUIET_S = 1.5  # a rank on another host that sent nothing this long (heartbeats go every second) is quiet
+PROBE_PORT, PROBE_TIMEOUT_S = 22, 1.0  # a host whose ranks are all quiet is asked whether it answers (sshd)
+PROBE_EVERY_S = 2.0  # at most this often per host
+REMOTE_SIGNAL_WAIT_S = 0.2  # a signal to another host's engine is sent through its nanny
 
 
 @dataclass
@@ -77,6 +81,8 @@ class EnginePool:
         self._dead_engines: set[int] = set()  # replaced engines (the hub may list a dead one for a while)
         self._views: tuple = (None, {})  # (client, {engine id: its view}): see view()
         self._set_counter = 0
+        self.lost_hosts: dict[str, str] = {}  # host -> why it was given up (``host hostB lost (ranks 1,2): …``)
+        self._probed: dict[str, float] = {}  # host -> when it was last asked whether it answers
 
     @property
     def world_size(self) -> int:
@@ -144,6 +150,41 @@ class EnginePool:
     def host_of(self, engine_id: int) -> str:
         """The host an engine said it runs on when it registered."""
         return self._identities[engine_id]["host"]
+
+    def replaceable(self, ranks: list[int]) -> None:
+        """Raise a one-line OptionsError, before anything changes, when a rank of ``ranks`` is on a
+        lost host and no other host has a free slot for it."""
+        on_lost = [r for r in ranks if self.on_lost_host(r)]
+        if not on_lost:
+            return
+        free = self._free_hosts(len(on_lost), [self.member(r) for r in ranks])
+        if free is None:
+            hosts = ", ".join(sorted({self.member(r).host for r in on_lost}))
+            raise OptionsError(f"rank {','.join(map(str, on_lost))} ran on {hosts}, which is lost, and no other host has "
+                               f"a free slot: %fleet recover --shrink goes on without them (then %fleet scale N "
+                               "--hosts HOST:K adds a host)")
+
+    def _free_hosts(self, count: int, leaving: list[Member]) -> list[str] | None:
+        """Hosts with free slots for ``count`` engines, lost hosts and the slots of ``leaving`` aside."""
+        if self.hosts is None:
+            return None
+        gone = {m.engine_id for m in leaving}
+        used = [m.slot.host for m in self.members + self.spares if m.engine_id not in gone]
+        used += [s.host for s in self.pending_spares.values()]
+        used += [h for h, n in self.hosts.slots.items() if h in self.lost_hosts for _ in range(n)]
+        try:
+            return self.hosts.assign(count, used)
+        except OptionsError:
+            return None
+
+    def _placed_again(self, slot: EngineSlot, leaving: list[Member]) -> EngineSlot:
+        """``slot`` for a fresh engine: on a host with a free slot when its own host is lost."""
+        if slot.host not in self.lost_hosts:
+            return slot
+        hosts = self._free_hosts(1, leaving)
+        if hosts is None:
+            raise OptionsError(f"host {slot.host} is lost and no other host has a free slot for rank {slot.slot}")
+        return EngineSlot(slot.slot, slot.gpu, hosts[0])
 
     def _engines_on(self, host: str | None) -> int:
         """How many engines share ``host``'s cores (its --hosts slots, else the fleet's engines there)."""
@@ -342,6 +383,9 @@ class EnginePool:
         """Stop the engines of ``ranks`` for good (scale down)."""
         doomed = [self.member(r) for r in ranks]
         for member in doomed:
+            if member.host in self.lost_hosts:  # nothing there answers: asking would only wait
+                self.processes.forget_engine_set(member.engine_set)
+                continue
             try:
                 self.client.shutdown(targets=[member.engine_id], block=True)
             except Exception:
@@ -356,6 +400,8 @@ class EnginePool:
         """Kill the engines of ``ranks`` and start fresh ones (empty namespaces) in their slots."""
         dead = [self.member(r) for r in ranks]
         for member in dead:
+            if member.host in self.lost_hosts:
+                continue
             try:
                 self.processes.cluster.signal_engines_sync(signal.SIGKILL, member.engine_set)
             except Exception:
@@ -364,13 +410,16 @@ class EnginePool:
         self._dead_engines |= gone  # never matched to a slot again, even while the hub still lists them
         deadline = time.monotonic() + 15
         while gone & set(self.client.ids) and time.monotonic() < deadline:
-            if set(self.gone_ranks(ranks)) == set(ranks):
-                break  # their processes are gone: no need to wait for the hub to notice
+            if set(self.gone_ranks(ranks)) | {r for r in ranks if self.on_lost_host(r)} == set(ranks):
+                break  # their processes are gone (or their host is): no need to wait for the hub to notice
             time.sleep(0.05)
         for member in dead:
-            self.processes.stop_engine_set(member.engine_set)
+            if member.host in self.lost_hosts:
+                self.processes.forget_engine_set(member.engine_set)
+            else:
+                self.processes.stop_engine_set(member.engine_set)
         self.members = [m for m in self.members if m.engine_id not in gone]
-        self.add_engines([m.slot for m in dead])
+        self.add_engines([self._placed_again(m.slot, dead) for m in dead])
 
     # ------------------------------------------------------------------ signals and health
     def signal(self, ranks: list[int], sig: int) -> None:
@@ -386,9 +435,9 @@ class EnginePool:
                 os.kill(member.pid, sig)
             except OSError:
                 pass  # gone already: the death is handled by the cell's repair
-        if remote:
+        if remote:  # not waited for long: a dead host's nanny never confirms, and the cell's loop must go on
             future = self.client.send_signal(sig, targets=self.engine_ids(remote), block=False)
-            concurrent.futures.wait([future], timeout=CONTROLLER_TIMEOUT_S)
+            concurrent.futures.wait([future], timeout=REMOTE_SIGNAL_WAIT_S)
 
     def dead_ranks(self, settle_s: float = 2.0) -> list[int]:
         """Ranks whose engine is gone (its process ended) or unreachable (the hub unregistered it
@@ -397,11 +446,54 @@ class EnginePool:
         deadline = time.monotonic() + settle_s
         while True:
             registered = set(self.client.ids)
-            dead = [m.rank for m in self.members if m.engine_id not in registered]
+            dead = [m.rank for m in self.members if m.engine_id not in registered or m.host in self.lost_hosts]
             gone = self.gone_ranks(list(range(self.world_size)))
             if set(gone) <= set(dead) or time.monotonic() > deadline:
                 return sorted(set(dead) | set(gone))
             time.sleep(0.05)
+
+    def lost_hosts_now(self, store, now: float) -> dict[str, str]:
+        """Other hosts just found lost: none of their ranks sent anything for QUIET_S (the metrics
+        heartbeat goes every second) and the host itself refuses connections (its processes are
+        gone) or does not answer on the network (a partition, or a machine that is down). A rank
+        blocked in a collective may send nothing either (it can hold the GIL), so silence alone
+        decides nothing: a host that answers is alive. Each such host is given up for good:
+        returns host -> headline (``host hostB lost (ranks 1,2): …``)."""
+        by_host: dict[str, list[Member]] = {}
+        for m in self.members:
+            if not m.local and m.host not in self.lost_hosts:
+                by_host.setdefault(m.host, []).append(m)
+        found = {}
+        for host, members in by_host.items():
+            streams = [store.streams.get(m.rank) for m in members]
+            heard = [s.beat_at for s, m in zip(streams, members, strict=True) if s is not None and s.pid == m.pid]
+            if len(heard) < len(members) or now - max(heard) < QUIET_S:
+                continue  # a rank not heard from yet, or one heard lately
+            if now - self._probed.get(host, 0.0) < PROBE_EVERY_S:
+                continue
+            self._probed[host] = now
+            ranks = ",".join(str(m.rank) for m in members)
+            try:
+                with socket.create_connection((host, PROBE_PORT), timeout=PROBE_TIMEOUT_S):
+                    continue  # the host answers: its ranks are busy, not lost
+            except ConnectionRefusedError:
+                how = (f"lost (ranks {ranks}): its ranks went silent and the host refuses connections (its "
+                       "processes are gone)")
+            except OSError:
+                how = (f"unreachable (ranks {ranks}): its ranks went silent and the host does not answer on the "
+                       "network (a partition, or the machine is down)")
+            self.lost_hosts[host] = found[host] = f"host {host} {how}"
+        return found
+
+    def quiet(self, rank: int, store, now: float) -> bool:
+        """Rank ``rank`` runs on another host and has sent nothing for QUIET_S: its host may be lost
+        (:meth:`lost_hosts_now` decides), so it is not killed and replaced there meanwhile."""
+        m = self.member(rank)
+        stream = store.streams.get(rank)
+        return not m.local and stream is not None and stream.pid == m.pid and now - stream.beat_at > QUIET_S
+
+    def on_lost_host(self, rank: int) -> bool:
+        return self.member(rank).host in self.lost_hosts
 
     def gone_ranks(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` whose engine ran on this host and whose process has ended."""
@@ -413,6 +505,8 @@ class EnginePool:
         is never called dead."""
         m = self.member(rank)
         who = f"engine {m.engine_id}, pid {m.pid}"
+        if m.host in self.lost_hosts:
+            return self.lost_hosts[m.host], self.lost_hosts[m.host]
         if m.local and alive(m.pid):
             return (f"rank {rank} lost contact ({who}, process alive)",
                     f"the controller lost contact with rank {rank} ({who}): its process is alive but sent "

@@ -146,6 +146,15 @@ class Processes:
         except Exception:
             return ""
 
+    def forget_engine_set(self, set_id: str) -> None:
+        """An engine set on a lost host: nothing there can be stopped or waited for (ipyparallel's ssh
+        launcher would poll it, and fail, at every step); it is dropped from the cluster."""
+        engine_set = self.cluster.engines.pop(set_id, None) if self.cluster is not None else None
+        for launcher in [engine_set, *getattr(engine_set, "launchers", {}).values()] if engine_set else []:
+            stop_waiting = getattr(launcher, "_stop_waiting", None)
+            if stop_waiting is not None:
+                stop_waiting.set()
+
     def stop_engine_set(self, set_id: str) -> None:
         """Stop one engine set, keeping its process's own output in the run's logs/."""
         if self.rank_logs is not None:

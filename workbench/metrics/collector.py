@@ -127,33 +127,41 @@ class MetricsCollector:
         self._thread.start()
 
     def _receive_loop(self) -> None:
-        """The only thread that touches the sinks: a slow sink never blocks the kernel."""
+        """The only thread that touches the sinks: a slow sink never blocks the kernel. It outlives any
+        one message or sink: the heartbeats it takes in tell the kernel which ranks are alive."""
         import zmq
 
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         while not self._stopping.is_set():
-            ready = dict(poller.poll(50))
-            if self._wake_read in ready:
-                os.read(self._wake_read, 4096)
-            if self._socket in ready:
-                while True:
-                    try:
-                        frames = self._socket.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if len(frames) == 2 and hmac.compare_digest(frames[0], sign(self._key, frames[1])):
-                        self._ingest(frames[1])
-                    else:
-                        self.rejected += 1
-                        if self.rejected == 1:
-                            self.errors.append("metrics: a message without a valid signature was ignored (not from "
-                                               "this fleet's ranks)")
-            if self._flush_wanted.is_set():
-                self._flush_wanted.clear()
-                self._each_sink("flush")
-                self._flushed.set()
+            try:
+                self._receive_once(poller, zmq)
+            except Exception as exc:
+                self.errors.append(f"metrics receiver: {type(exc).__name__}: {exc}")
+                time.sleep(0.05)
+
+    def _receive_once(self, poller, zmq) -> None:
+        ready = dict(poller.poll(50))
+        if self._wake_read in ready:
+            os.read(self._wake_read, 4096)
+        if self._socket in ready:
+            while True:
+                try:
+                    frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) == 2 and hmac.compare_digest(frames[0], sign(self._key, frames[1])):
+                    self._ingest(frames[1])
+                else:
+                    self.rejected += 1
+                    if self.rejected == 1:
+                        self.errors.append("metrics: a message without a valid signature was ignored (not from "
+                                           "this fleet's ranks)")
+        if self._flush_wanted.is_set():
+            self._flush_wanted.clear()
+            self._each_sink("flush")
+            self._flushed.set()
 
     def _ingest(self, raw: bytes) -> None:
         try:
