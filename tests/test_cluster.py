@@ -149,3 +149,40 @@ def _restart_sshd(hosts, host):
     """The host comes back (for the tests after this one)."""
     hosts._start_sshd(host)
     hosts._wait_ssh(host)
+
+
+def test_a_cut_off_host_is_named_and_the_others_collectives_end_with_their_state(hosts, tmp_path):
+    """hostC's link goes down mid-cell (its processes live on): named 'unreachable' within 10 s; the
+    other ranks, blocked in a collective with it, are released by cutting their links to it (not
+    killed, not left until --pg-timeout); recover --shrink goes on from their live replica."""
+    driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), "host_loss",
+                                 " ".join(hosts.ssh_args), "hostA:1,hostB:1,hostC:1", "3"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        for line in driver.stdout:
+            if "CELL STARTED" in line:
+                break
+        time.sleep(2.0)
+        cut_at = time.time()
+        hosts.cut("hostC")
+        out, err = driver.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        out, err = driver.communicate()
+    finally:
+        hosts.mend("hostC")
+        hosts.kill_host("hostC")  # its stale engine (fenced: never admitted again)
+        _restart_sshd(hosts, "hostC")
+    assert driver.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    noticed = result["failed_at"] - cut_at
+    print(f"hostC cut off: the cell failed after {noticed:.1f} s: {result['error']}; recover --shrink "
+          f"{result['recover_s']:.1f} s")
+    assert noticed < 10.0, noticed
+    assert result["error"] == ("DistributedCellError: host hostC unreachable (ranks 2): its ranks went silent and the "
+                               "host does not answer on the network (a partition, or the machine is down); the other "
+                               "ranks failed because of it")
+    assert result["recover_s"] < 30, "the survivors' collective ended when their links to hostC were cut"
+    assert result["ranks_after"] == 2 and result["survivors_agree"] and result["trains_on"]
+    steps = result["step_after_recover"]
+    assert steps[0] == steps[1] > 5 and result["step_after_training"] == [steps[0] + 5] * 2

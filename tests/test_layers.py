@@ -64,7 +64,8 @@ def test_the_kernel_names_still_import_from_the_package():
 # The engine side, bottom layer first: a module imports only from its own layer or below.
 LAYERS = [
     ["workbench.rank", "workbench.errors", "workbench.messages", "workbench.data_position",
-     "workbench.batch_process", "workbench.reaper", "workbench.stacks", "workbench.placement"],
+     "workbench.batch_process", "workbench.reaper", "workbench.stacks", "workbench.placement",
+     "workbench.links"],
     ["workbench.metrics.comm", "workbench.metrics.gpu", "workbench.metrics.logger", "workbench.metrics"],
     ["workbench.parallel.options", "workbench.parallel.fsdp", "workbench.parallel.hooks", "workbench.parallel.tensor",
      "workbench.parallel.pipeline", "workbench.parallel.model", "workbench.parallel", "workbench.options"],

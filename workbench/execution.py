@@ -22,7 +22,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from . import rendezvous
+from . import links, rendezvous
 from .errors import FleetError, WorkbenchError
 from .messages import CellReply
 from .notices import debug, notice
@@ -275,6 +275,8 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
             if now - last_host_check >= PID_CHECK_S and fleet.metrics is not None:
                 last_host_check = now  # a host that died or is cut off: its ranks never answer
                 if lost_now := fleet.pool.lost_hosts_now(fleet.metrics.store, time.time()):
+                    for host in lost_now:  # the others' collectives with it end now, their state kept
+                        links.order_cut(fleet.run_dir, host, links.addresses_of(host))
                     for rank in sorted(pending):
                         if (headline := lost_now.get(fleet.member(rank).host)) is not None:
                             failures.append(RankFailure(rank, "HostLost", headline, ""))

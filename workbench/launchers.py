@@ -56,6 +56,12 @@ class LauncherSpec:
         return self.name in REMOTE
 
     @property
+    def probes_hosts(self) -> bool:
+        """Its hosts run sshd (it started the engines through it): a host whose ranks went silent is
+        asked on port 22 whether it is still there (:meth:`EnginePool.lost_hosts_now`)."""
+        return self.name == "ssh"
+
+    @property
     def stops_engines(self) -> bool:
         """Its engines are stopped through the launcher, not asked to exit first: ipyparallel's ssh
         launcher signals them by pid on their host, and one that already exited prints a traceback."""

@@ -384,7 +384,7 @@ class EnginePool:
         doomed = [self.member(r) for r in ranks]
         for member in doomed:
             if member.host in self.lost_hosts:  # nothing there answers: asking would only wait
-                self.processes.forget_engine_set(member.engine_set)
+                self.processes.forget_engine_set(member.engine_set, member.host)
                 continue
             try:
                 self.client.shutdown(targets=[member.engine_id], block=True)
@@ -415,7 +415,7 @@ class EnginePool:
             time.sleep(0.05)
         for member in dead:
             if member.host in self.lost_hosts:
-                self.processes.forget_engine_set(member.engine_set)
+                self.processes.forget_engine_set(member.engine_set, member.host)
             else:
                 self.processes.stop_engine_set(member.engine_set)
         self.members = [m for m in self.members if m.engine_id not in gone]
@@ -459,6 +459,8 @@ class EnginePool:
         blocked in a collective may send nothing either (it can hold the GIL), so silence alone
         decides nothing: a host that answers is alive. Each such host is given up for good:
         returns host -> headline (``host hostB lost (ranks 1,2): …``)."""
+        if not self.processes.launcher.probes_hosts:
+            return {}
         by_host: dict[str, list[Member]] = {}
         for m in self.members:
             if not m.local and m.host not in self.lost_hosts:

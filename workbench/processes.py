@@ -146,14 +146,22 @@ class Processes:
         except Exception:
             return ""
 
-    def forget_engine_set(self, set_id: str) -> None:
+    def forget_engine_set(self, set_id: str, host: str) -> None:
         """An engine set on a lost host: nothing there can be stopped or waited for (ipyparallel's ssh
-        launcher would poll it, and fail, at every step); it is dropped from the cluster."""
+        launcher would poll it, and fail, at every step); it is dropped from the cluster, and the ssh
+        clients this process still has open to ``host`` (cut off, they would hang for hours) end."""
         engine_set = self.cluster.engines.pop(set_id, None) if self.cluster is not None else None
         for launcher in [engine_set, *getattr(engine_set, "launchers", {}).values()] if engine_set else []:
             stop_waiting = getattr(launcher, "_stop_waiting", None)
             if stop_waiting is not None:
                 stop_waiting.set()
+        for child in psutil.Process().children(recursive=True):
+            try:
+                argv = child.cmdline()
+                if argv and os.path.basename(argv[0]) in ("ssh", "scp") and host in argv:
+                    child.kill()
+            except psutil.Error:
+                pass
 
     def stop_engine_set(self, set_id: str) -> None:
         """Stop one engine set, keeping its process's own output in the run's logs/."""

@@ -23,6 +23,7 @@ import threading
 import time
 from numbers import Number
 
+from ..links import CutOrders
 from ..messages import Beat, MetricsMessage, sign
 from .comm import CommClock
 from .gpu import GpuProbe
@@ -65,6 +66,7 @@ class MetricsLogger:
         self._thread: threading.Thread | None = None
         self._address: str | None = None
         self._key = b""  # the run's key: each message is signed with it
+        self.cut_links: list[str] = []  # connections to lost hosts this process shut down
         self._suspended = False
         self.cell_started()
 
@@ -243,10 +245,12 @@ class MetricsLogger:
         socket.connect(connected)
         self._last_sent = 0.0
         self._pulse = _Pulse()
+        cuts = CutOrders()
         while True:
             self._flush.wait(SEND_EVERY_S)
             self._flush.clear()
             try:
+                self._carry_out_cuts(cuts)
                 if self._address != connected:  # attached to another fleet's run (engines of an ipcluster)
                     socket.disconnect(connected)
                     connected = self._address
@@ -255,6 +259,14 @@ class MetricsLogger:
                     pass
             except Exception as exc:  # the sender (and with it the heartbeat) must outlive any one message
                 self.send_error = f"{type(exc).__name__}: {exc}"
+    def _carry_out_cuts(self, cuts: CutOrders) -> None:
+        """A host was lost: links to it are cut, so that a collective waiting on it ends now
+        (this thread runs while the main thread waits; :mod:`workbench.links`)."""
+        from ..rank import STATE
+
+        if cut := cuts.check(STATE.run_dir):
+            self.cut_links += cut
+
     def _send_batch(self, socket, zmq) -> bool:
         now = time.monotonic()
         if not self._buffer and now - self._last_sent < BEAT_EVERY_S:
