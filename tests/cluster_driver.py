@@ -29,7 +29,7 @@ for _ in range(5):
     loss = model(torch.randn(8, 16)).pow(2).mean()
     accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
 """
-PARAMS = "[p.detach().clone() for p in model.parameters()]"
+PARAMS = "[p.full_tensor() if hasattr(p, 'full_tensor') else p.detach().clone() for p in model.parameters()]"
 WHERE = "import os, socket; (socket.gethostname(), os.environ['MASTER_ADDR'], os.environ['LOCAL_RANK'], os.environ['NODE_RANK'])"
 
 
@@ -121,5 +121,42 @@ def host_loss() -> None:
     print(json.dumps(result))
 
 
+SLOW_SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+"""
+SLOW_TRAIN = """
+import time
+started = time.monotonic()
+for _ in range(4):
+    loss = model(torch.randn(16, 1024)).pow(2).mean()
+    accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
+time.monotonic() - started
+"""
+
+
+def slow_link() -> None:
+    """DDP over a thin link (the test shapes it): the cell must not be called a mismatch."""
+    ssh_args, hosts, n, strategy = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    result = {}
+    with Fleet(n=n, launcher="ssh", hosts=hosts, launcher_options={"ssh_args": ssh_args}, engine_timeout=120,
+               progress=False, wandb=False, tensorboard=False, runs_dir="workbench-runs") as fleet:
+        fleet.run(SLOW_SETUP, strategy=strategy, show_output=False)
+        try:
+            result["seconds"] = fleet.run(SLOW_TRAIN, strategy=strategy, show_output=False)
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        params = fleet.run(PARAMS, strategy=strategy, show_output=False)
+        result["agree"] = all(same(params[0], p) for p in params[1:])
+        result["comm_s"] = [sum(r.system.get("comm_s", 0.0) for r in fleet.metrics.store.since(0) if r.rank == rank)
+                            for rank in range(n)]
+        result["step_s"] = [sum(r.system.get("step_time_s", 0.0) for r in fleet.metrics.store.since(0)
+                                if r.rank == rank) for rank in range(n)]
+    print(json.dumps(result))
+
+
 if __name__ == "__main__":
-    {"placement": placement, "host_loss": host_loss}[sys.argv[1]]()
+    {"placement": placement, "host_loss": host_loss, "slow_link": slow_link}[sys.argv[1]]()

@@ -149,6 +149,11 @@ class SimulatedHosts:
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                 "burst", "32kbit", "latency", "50ms")
 
+    def unshape(self, host: str) -> None:
+        mine, bridge = self._veth(host)
+        for ns, dev in ((self.namespace(host), mine), (self._switch, bridge)):
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
     def cut(self, host: str) -> None:
         """A partition: ``host``'s link goes down; its processes live on."""
         _sh("ip", "-n", self._switch, "link", "set", self._veth(host)[1], "down")

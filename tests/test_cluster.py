@@ -186,3 +186,30 @@ def test_a_cut_off_host_is_named_and_the_others_collectives_end_with_their_state
     assert result["ranks_after"] == 2 and result["survivors_agree"] and result["trains_on"]
     steps = result["step_after_recover"]
     assert steps[0] == steps[1] > 5 and result["step_after_training"] == [steps[0] + 5] * 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "hsdp"])
+def test_a_thin_link_is_slow_not_a_mismatch(hosts, tmp_path, strategy):
+    """DDP and hsdp, 2 hosts x 2 ranks, hostB's link at 50 Mbit/s: each step's all-reduce takes
+    seconds, and no rank is called stuck in a mismatched collective while the others progress."""
+    hosts.shape("hostB", "50mbit")
+    try:
+        driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), "slow_link",
+                                     " ".join(hosts.ssh_args), "hostA:2,hostB:2", "4", strategy],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        try:
+            out, err = driver.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            out, err = driver.communicate()
+    finally:
+        hosts.unshape("hostB")
+    assert driver.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    print(f"{strategy} over 50 Mbit/s: {result.get('seconds')} s for 4 steps; comm {result['comm_s']} of "
+          f"{result['step_s']} s")
+    assert "error" not in result, result["error"]
+    assert result["agree"]
+    assert max(result["seconds"]) > 2.0, "the link was not thin"
+    # the time in collectives is counted, also hsdp's all-reduce across the hosts: most of the step here
+    assert all(comm > 0.5 * step for comm, step in zip(result["comm_s"], result["step_s"], strict=True)), result

@@ -13,7 +13,9 @@ user code:
   a wrapper that times each bucket's communication from launch to completion of
   its future;
 - FSDP2: the all-gather and reduce-scatter of every FSDP module wrapped the
-  same way (FSDP2's documented custom-comm extension point);
+  same way (FSDP2's documented custom-comm extension point); HSDP's all-reduce across
+  replicas (often the one across hosts) has no such point: FSDP2's collectives module
+  gets a view of ``torch.distributed`` whose ``all_reduce`` is timed;
 - the model's forward counts samples (the first dimension of its first tensor);
 - the optimizer's step marks the end of a training step;
 - a dataloader keeps its exact position in its data (:mod:`workbench.data_position`).
@@ -70,6 +72,7 @@ def _wrap_fsdp_comms(model, clock: CommClock) -> None:
     class TimedReduceScatter(Timed, ReduceScatter):
         pass
 
+    _time_hsdp_all_reduce(clock)
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -77,6 +80,26 @@ def _wrap_fsdp_comms(model, clock: CommClock) -> None:
             if not isinstance(group._all_gather_comm, TimedAllGather):
                 group._all_gather_comm = TimedAllGather(group._all_gather_comm)
                 group._reduce_scatter_comm = TimedReduceScatter(group._reduce_scatter_comm)
+
+
+class _TimedAllReduce:
+    """``torch.distributed`` as FSDP2's collectives module sees it, with ``all_reduce`` timed."""
+
+    def __init__(self, inner, clock: CommClock) -> None:
+        self._inner, self._clock = inner, clock
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def all_reduce(self, *args, **kwargs):
+        return self._clock.timed(self._inner.all_reduce, *args, **kwargs)
+
+
+def _time_hsdp_all_reduce(clock: CommClock) -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    if not isinstance(_fsdp_collectives.dist, _TimedAllReduce):
+        _fsdp_collectives.dist = _TimedAllReduce(_fsdp_collectives.dist, clock)
 
 
 def _before_forward(logger, ddp: bool):
