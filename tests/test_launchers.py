@@ -142,6 +142,27 @@ def test_attaching_to_a_running_ipcluster_uses_its_engines_and_leaves_them_runni
     assert all(_alive(p) for p in pids), "the cluster is the user's: its engines keep running"
 
 
+def test_attached_without_n_scales_saves_and_stops_only_what_it_added(ipcluster):
+    """Was: scale after attaching without -n raised ZeroDivisionError; engines the fleet added
+    survived %fleet stop; after stop and a new attach every checkpoint save failed (its DCP group
+    was cached by a generation number that starts again)."""
+    fleet = Fleet(profile="wbtest", cluster_id="attached", progress=False, wandb=False, engine_timeout=60)
+    with fleet:
+        theirs = [m.pid for m in fleet.members]
+        fleet.run("import torch\nt = torch.nn.Linear(4, 4)\nmodel = accelerator.prepare(t)", show_output=False)
+        fleet.checkpoints.save(tag="attached-1")
+        fleet.scale(3)
+        assert fleet.world_size == 3
+        added = [m.pid for m in fleet.members if m.pid not in theirs]
+        assert len(added) == 1
+    time.sleep(0.5)
+    assert all(_alive(p) for p in theirs) and not _alive(added[0]), "the engine the fleet added is stopped"
+    with Fleet(profile="wbtest", cluster_id="attached", progress=False, wandb=False, engine_timeout=60) as again:
+        assert again.world_size == 2
+        again.run("import torch\nt = torch.nn.Linear(4, 4)\nmodel = accelerator.prepare(t)", show_output=False)
+        assert again.checkpoints.save(tag="attached-2") == "attached-2"
+
+
 def _alive(pid):
     import psutil
 

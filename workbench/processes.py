@@ -43,6 +43,7 @@ class Processes:
 
     def __init__(self, launcher: LauncherSpec, engine_timeout: float, attached: bool) -> None:
         self.launcher = launcher
+        self._theirs: set[str] = set()  # attached: the engine sets the cluster had before this fleet
         self.engine_timeout = engine_timeout
         self.attached = attached
         self.runtime_dir: str | None = None
@@ -111,6 +112,7 @@ class Processes:
 
         try:
             self.cluster = ipp.Cluster.from_file(profile=profile or "default", cluster_id=cluster_id or "")
+            self._theirs = set(self.cluster.engines)  # the cluster's own engine sets: never stopped by us
         except Exception as exc:
             raise FleetError(f"no running cluster for profile {profile or 'default'!r} and cluster id "
                              f"{cluster_id or ''!r} ({one_line(exc)}); start one with ipcluster start") from None
@@ -176,7 +178,12 @@ class Processes:
         """Stop the engines ``engine_pids`` (through ``client`` first: they exit cleanly), the
         controller, template and reaper; nothing is left running. Attached: only let go."""
         cluster, self.cluster = self.cluster, None
-        if self.attached:
+        if self.attached:  # the cluster is the user's; only engines this fleet added (scale, recover) go
+            for set_id in [s for s in list(cluster.engines) if s not in self._theirs] if cluster else []:
+                try:
+                    cluster.stop_engines_sync(set_id)
+                except Exception:
+                    pass
             return
         processes = process_trees(engine_pids)
         if client is not None:

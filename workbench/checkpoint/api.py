@@ -82,13 +82,24 @@ def _context():
 
 
 def _group(spec):
-    """A gloo group for DCP's own collectives (one per process-group generation)."""
+    """A gloo group for DCP's own collectives (one per process group: generation numbers start
+    again in an engine that a later fleet attaches to, so the group must also still exist)."""
     import torch.distributed as dist
 
-    if SAVES.group is None or SAVES.group_generation != spec.generation:
+    if SAVES.group is None or SAVES.group_generation != spec.generation or not _exists(SAVES.group):
         SAVES.group = dist.new_group(backend="gloo")
         SAVES.group_generation = spec.generation
     return SAVES.group
+
+
+def _exists(group) -> bool:
+    import torch.distributed as dist
+
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):  # not in the world group map: destroyed since
+        return False
+    return True
 
 
 def wait_for_staging() -> None:
