@@ -65,18 +65,27 @@ def _others(hosts, host) -> list[int]:
     return [p for p in hosts.pids(host) if "sshd" not in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
 
 
-def test_a_fleet_across_hosts_over_ssh(hosts, tmp_path):
-    started = time.monotonic()
-    driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), "placement",
-                                 " ".join(hosts.ssh_args), "hostA:1,hostB:2", "2", "hostC:1"],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+def _start_driver(hosts, tmp_path, *args: str) -> subprocess.Popen:
+    """tests/cluster_driver.py on hostA (the kernel's host)."""
+    return hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), args[0],
+                               " ".join(hosts.ssh_args), *args[1:]],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+
+def _result(driver: subprocess.Popen) -> dict:
+    """The driver's JSON line, once it ended (killed after 300 s)."""
     try:
-        out, err = driver.communicate(timeout=400)
+        out, err = driver.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         driver.kill()
         out, err = driver.communicate()
     assert driver.returncode == 0, err[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_fleet_across_hosts_over_ssh(hosts, tmp_path):
+    started = time.monotonic()
+    result = _result(_start_driver(hosts, tmp_path, "placement", "hostA:1,hostB:2", "2", "hostC:1"))
     print(f"2 hosts: started in {result['start_s']:.1f} s, scaled onto hostB in {result['scale_s']:.1f} s; "
           f"whole test {time.monotonic() - started:.0f} s\n{result['status_scaled']}")
     address = hosts.addresses["hostA"]
@@ -105,30 +114,42 @@ def test_a_fleet_across_hosts_over_ssh(hosts, tmp_path):
     assert not any(_others(hosts, h) for h in hosts.names), {h: _others(hosts, h) for h in hosts.names}
 
 
-def test_a_killed_host_is_named_in_seconds_and_the_others_keep_their_state(hosts, tmp_path):
-    """Every process of hostC killed mid-cell (the machine died): the cell fails within 5 s naming
-    the host; the healthy ranks are not killed; recover --shrink goes on from their live replica."""
-    driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), "host_loss",
-                                 " ".join(hosts.ssh_args), "hostA:1,hostB:1,hostC:1", "3"],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    lines = []
+def _lose_host_mid_cell(hosts, tmp_path, lose, come_back) -> tuple[dict, float]:
+    """hostC (rank 2 of 3) is lost (``lose``) two seconds into a training cell; then it comes back
+    for the tests after this one. Returns the driver's result and the seconds until the cell failed."""
+    driver = _start_driver(hosts, tmp_path, "host_loss", "hostA:1,hostB:1,hostC:1", "3")
     try:
         for line in driver.stdout:
-            lines.append(line)
             if "CELL STARTED" in line:
                 break
         time.sleep(2.0)  # a few steps in
-        killed_at = time.time()
-        hosts.kill_host("hostC")
-        out, err = driver.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        driver.kill()
-        out, err = driver.communicate()
+        lost_at = time.time()
+        lose("hostC")
+        result = _result(driver)
     finally:
-        _restart_sshd(hosts, "hostC")
-    assert driver.returncode == 0, err[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
-    noticed = result["failed_at"] - killed_at
+        come_back()
+    return result, result["failed_at"] - lost_at
+
+
+def _went_on_without_it(result: dict) -> None:
+    """recover --shrink: the 2 survivors from their live replica (the steps trained before and in
+    the failed cell), then training goes on."""
+    assert result["ranks_after"] == 2 and [w[0] for w in result["where_after"]] == ["hostA", "hostB"]
+    assert result["survivors_agree"] and result["trains_on"]
+    steps = result["step_after_recover"]
+    assert steps[0] == steps[1] > 5, steps
+    assert result["step_after_training"] == [steps[0] + 5] * 2
+
+
+def _restart_sshd(hosts, host):
+    hosts._start_sshd(host)
+    hosts._wait_ssh(host)
+
+
+def test_a_killed_host_is_named_in_seconds_and_the_others_keep_their_state(hosts, tmp_path):
+    """Every process of hostC killed mid-cell (the machine died): the cell fails within 5 s naming
+    the host; the healthy ranks are not killed; recover --shrink goes on from their live replica."""
+    result, noticed = _lose_host_mid_cell(hosts, tmp_path, hosts.kill_host, lambda: _restart_sshd(hosts, "hostC"))
     print(f"hostC killed: the cell failed after {noticed:.1f} s: {result['error']}; recover --shrink "
           f"{result['recover_s']:.1f} s")
     assert noticed < 5.0, noticed
@@ -138,44 +159,19 @@ def test_a_killed_host_is_named_in_seconds_and_the_others_keep_their_state(hosts
     assert result["recover_error"] == ("OptionsError: rank 2 ran on hostC, which is lost, and no other host has a free "
                                        "slot: %fleet recover --shrink goes on without them (then %fleet scale N "
                                        "--hosts HOST:K adds a host)")
-    assert result["ranks_after"] == 2 and [w[0] for w in result["where_after"]] == ["hostA", "hostB"]
-    assert result["survivors_agree"] and result["trains_on"]
-    steps = result["step_after_recover"]
-    assert steps[0] == steps[1] > 5, steps  # the live state: the steps trained before and in the failed cell
-    assert result["step_after_training"] == [steps[0] + 5] * 2
-
-
-def _restart_sshd(hosts, host):
-    """The host comes back (for the tests after this one)."""
-    hosts._start_sshd(host)
-    hosts._wait_ssh(host)
+    _went_on_without_it(result)
 
 
 def test_a_cut_off_host_is_named_and_the_others_collectives_end_with_their_state(hosts, tmp_path):
     """hostC's link goes down mid-cell (its processes live on): named 'unreachable' within 10 s; the
     other ranks, blocked in a collective with it, are released by cutting their links to it (not
     killed, not left until --pg-timeout); recover --shrink goes on from their live replica."""
-    driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), "host_loss",
-                                 " ".join(hosts.ssh_args), "hostA:1,hostB:1,hostC:1", "3"],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        for line in driver.stdout:
-            if "CELL STARTED" in line:
-                break
-        time.sleep(2.0)
-        cut_at = time.time()
-        hosts.cut("hostC")
-        out, err = driver.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        driver.kill()
-        out, err = driver.communicate()
-    finally:
+    def come_back():
         hosts.mend("hostC")
         hosts.kill_host("hostC")  # its stale engine (fenced: never admitted again)
         _restart_sshd(hosts, "hostC")
-    assert driver.returncode == 0, err[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
-    noticed = result["failed_at"] - cut_at
+
+    result, noticed = _lose_host_mid_cell(hosts, tmp_path, hosts.cut, come_back)
     print(f"hostC cut off: the cell failed after {noticed:.1f} s: {result['error']}; recover --shrink "
           f"{result['recover_s']:.1f} s")
     assert noticed < 10.0, noticed
@@ -183,9 +179,7 @@ def test_a_cut_off_host_is_named_and_the_others_collectives_end_with_their_state
                                "host does not answer on the network (a partition, or the machine is down); the other "
                                "ranks failed because of it")
     assert result["recover_s"] < 30, "the survivors' collective ended when their links to hostC were cut"
-    assert result["ranks_after"] == 2 and result["survivors_agree"] and result["trains_on"]
-    steps = result["step_after_recover"]
-    assert steps[0] == steps[1] > 5 and result["step_after_training"] == [steps[0] + 5] * 2
+    _went_on_without_it(result)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "hsdp"])
@@ -194,18 +188,9 @@ def test_a_thin_link_is_slow_not_a_mismatch(hosts, tmp_path, strategy):
     seconds, and no rank is called stuck in a mismatched collective while the others progress."""
     hosts.shape("hostB", "50mbit")
     try:
-        driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), "slow_link",
-                                     " ".join(hosts.ssh_args), "hostA:2,hostB:2", "4", strategy],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-        try:
-            out, err = driver.communicate(timeout=400)
-        except subprocess.TimeoutExpired:
-            driver.kill()
-            out, err = driver.communicate()
+        result = _result(_start_driver(hosts, tmp_path, "slow_link", "hostA:2,hostB:2", "4", strategy))
     finally:
         hosts.unshape("hostB")
-    assert driver.returncode == 0, err[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
     print(f"{strategy} over 50 Mbit/s: {result.get('seconds')} s for 4 steps; comm {result['comm_s']} of "
           f"{result['step_s']} s")
     assert "error" not in result, result["error"]

@@ -108,9 +108,12 @@ class EnginePool:
     def record_pids(self) -> None:
         self.processes.record_pids(self.local_pids())
 
-    def local_pids(self) -> list[int]:
-        """The pids of the engines on this host (another host's pid numbers mean nothing here)."""
-        return [m.pid for m in self.members + self.spares if m.local]
+    def local_pids(self, members: list[Member] | None = None) -> list[int]:
+        """The pids of the engines (of ``members``, default all) on this machine: another host's pid
+        numbers mean nothing here. A launcher that starts engines here only (local, mpi) has them all
+        here, also those that pose as other nodes (``WORKBENCH_HOSTNAME`` in tests)."""
+        here = not self.processes.launcher.remote
+        return [m.pid for m in (self.members + self.spares if members is None else members) if here or m.local]
 
     # ------------------------------------------------------------------ starting engines
     def start(self, progress: ProgressLine, started: float) -> None:
@@ -168,14 +171,18 @@ class EnginePool:
         """Hosts with free slots for ``count`` engines, lost hosts and the slots of ``leaving`` aside."""
         if self.hosts is None:
             return None
+        try:
+            return self.hosts.assign(count, self._used_hosts(leaving))
+        except OptionsError:
+            return None
+
+    def _used_hosts(self, leaving: list[Member] = ()) -> list[str]:
+        """A host's name once per slot taken: by a rank or spare (not ``leaving``), a spare starting,
+        and every slot of a lost host."""
         gone = {m.engine_id for m in leaving}
         used = [m.slot.host for m in self.members + self.spares if m.engine_id not in gone]
         used += [s.host for s in self.pending_spares.values()]
-        used += [h for h, n in self.hosts.slots.items() if h in self.lost_hosts for _ in range(n)]
-        try:
-            return self.hosts.assign(count, used)
-        except OptionsError:
-            return None
+        return used + [h for h, n in self.hosts.slots.items() if h in self.lost_hosts for _ in range(n)]
 
     def _placed_again(self, slot: EngineSlot, leaving: list[Member]) -> EngineSlot:
         """``slot`` for a fresh engine: on a host with a free slot when its own host is lost."""
@@ -293,8 +300,8 @@ class EnginePool:
         (by a rank, a spare, or a spare still starting)."""
         used = [m.slot for m in self.members + self.spares] + list(self.pending_spares.values())
         first = max(s.slot for s in used) + 1 if used else 0
-        if self.hosts is not None:  # ranks and spares count against their host's slots
-            places = self.hosts.assign(count, [s.host for s in used])
+        if self.hosts is not None:  # ranks and spares count against their host's slots; lost hosts are full
+            places = self.hosts.assign(count, self._used_hosts())
             return [EngineSlot(first + i, host=host) for i, host in enumerate(places)]
         if self.device_type == "cpu":
             return [EngineSlot(first + i) for i in range(count)]
@@ -393,7 +400,7 @@ class EnginePool:
             self.processes.stop_engine_set(member.engine_set)
         gone = {m.engine_id for m in doomed}
         self.members = [m for m in self.members if m.engine_id not in gone]
-        psutil.wait_procs(process_trees([m.pid for m in doomed if m.local]), timeout=5)
+        psutil.wait_procs(process_trees(self.local_pids(doomed)), timeout=5)
         self._renumber()
 
     def replace(self, ranks: list[int]) -> None:
@@ -456,7 +463,7 @@ class EnginePool:
         """Other hosts just found lost: none of their ranks sent anything for QUIET_S (the metrics
         heartbeat goes every second) and the host itself refuses connections (its processes are
         gone) or does not answer on the network (a partition, or a machine that is down). A rank
-        blocked in a collective may send nothing either (it can hold the GIL), so silence alone
+        waiting in a collective was seen to send nothing for many seconds too, so silence alone
         decides nothing: a host that answers is alive. Each such host is given up for good:
         returns host -> headline (``host hostB lost (ranks 1,2): …``)."""
         if not self.processes.launcher.probes_hosts:
