@@ -1,6 +1,7 @@
 """The DDP training loop that bench_step_time runs both ways: under torchrun and in a fleet.
 
-As a script (torchrun): ``python -m torch.distributed.run --nproc-per-node 2 ddp_loop.py STEPS OUT``.
+As a script (torchrun): ``python -m torch.distributed.run --nproc-per-node 2 ddp_loop.py STEPS OUT [WIDTH]``
+writes rank 0's ``[seconds, cpu_seconds]`` of each step to OUT.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ if __name__ == "__main__":
     from accelerate import Accelerator
 
     steps, out = int(sys.argv[1]), sys.argv[2]
+    width = int(sys.argv[3]) if len(sys.argv) > 3 else 1024
     accelerator = Accelerator(cpu=True)
-    times = loop(accelerator, steps)
+    times = loop(accelerator, steps, width=width, cpu=True)
     if accelerator.process_index == 0:
         with open(out, "w") as f:
             json.dump(times, f)
