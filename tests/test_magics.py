@@ -305,7 +305,7 @@ def test_interrupting_the_kernel_stops_every_rank(kernel):
 
 
 @pytest.mark.parametrize("line, shown", [
-    ("%fleet -h", "usage: %fleet scale n"),
+    ("%fleet -h", "usage: %fleet scale [--hosts HOST:N,...] n"),
     ("%fleet start --help", "number of engines (default: one per GPU, or 2 on CPU)"),
     ("%checkpoint save -h", "--keep-last"),
     ("%metrics -h", "--summary"),
