@@ -18,7 +18,7 @@ import pathlib
 import subprocess
 import sys
 
-from common import report
+from common import RESULTS, report
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -57,14 +57,19 @@ with Fleet(n=4, launcher="ssh", hosts="hostA:2,hostB:2", launcher_options={"ssh_
             break
         for strategy, hook in strategies:
             options = CellOptions(strategy=strategy, comm_hook=hook)
-            fleet.run(SETUP, show_output=False, options=options)
-            fleet.run(TRAIN.format(steps=1), show_output=False, options=options)  # warm-up
-            first = len(fleet.metrics.store)
-            times = fleet.run(TRAIN.format(steps=STEPS), show_output=False, options=options)
+            name = strategy + (f"+{hook}" if hook else "")
+            try:
+                fleet.run(SETUP, show_output=False, options=options)
+                fleet.run(TRAIN.format(steps=1), show_output=False, options=options)  # warm-up
+                first = len(fleet.metrics.store)
+                times = fleet.run(TRAIN.format(steps=STEPS), show_output=False, options=options)
+            except Exception as exc:  # reported as the row's result (the fleet recovers for the next row)
+                print(json.dumps({"rate": rate, "strategy": name, "error": str(exc).splitlines()[0][:200]}),
+                      flush=True)
+                continue
             records = [r for r in fleet.metrics.store.since(first) if r.rank == 0]
             comm = [r.system["comm_s"] for r in records if "comm_s" in r.system]
-            print(json.dumps({"rate": rate, "strategy": strategy + (f"+{hook}" if hook else ""),
-                              "step_s": statistics.median(times[0]),
+            print(json.dumps({"rate": rate, "strategy": name, "step_s": statistics.median(times[0]),
                               "comm_s": statistics.median(comm) if comm else None}), flush=True)
         print("DONE", flush=True)
 '''
@@ -83,7 +88,8 @@ def main() -> dict:
         script.write_text(DRIVER)
         driver = hosts.run("hostA", [sys.executable, str(script), " ".join(hosts.ssh_args), json.dumps(STRATEGIES),
                                       str(STEPS)],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(RESULTS / "cluster_driver.log", "w"),
+                           text=True,
                            cwd=hosts.folder, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         try:
             assert driver.stdout.readline().strip() == "READY", "the fleet did not start"
@@ -102,8 +108,8 @@ def main() -> dict:
         finally:
             if driver.poll() is None:
                 driver.kill()
-    table = {f"{r['rate']} {r['strategy']}": {"step_s": round(r["step_s"], 3),
-                                               "comm_s": round(r["comm_s"], 3) if r["comm_s"] is not None else None}
+    table = {f"{r['rate']} {r['strategy']}": {"error": r["error"]} if "error" in r else
+             {"step_s": round(r["step_s"], 3), "comm_s": round(r["comm_s"], 3) if r["comm_s"] is not None else None}
              for r in rows}
     return report("cluster", {"hosts": "2 x 2 ranks, hostB's link shaped (tc tbf)", "steps": STEPS, **table})
 
