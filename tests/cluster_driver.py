@@ -124,14 +124,14 @@ def host_loss() -> None:
 SLOW_SETUP = """
 import torch
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
+model = torch.nn.Sequential(torch.nn.Linear(1024, 3072), torch.nn.ReLU(), torch.nn.Linear(3072, 1024))
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 """
 SLOW_TRAIN = """
 import time
 started = time.monotonic()
-for _ in range(4):
+for _ in range(3):
     loss = model(torch.randn(16, 1024)).pow(2).mean()
     accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()
 time.monotonic() - started

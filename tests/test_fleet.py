@@ -201,6 +201,15 @@ def test_timeout_stops_the_cell(fleet):
     assert fleet.run("rank") == [0, 1]
 
 
+def test_the_bytes_of_a_gloo_all_reduce_are_seen_moving(fleet):
+    """What keeps a slow collective from being called stuck: a 4 MB all_reduce's bytes go
+    through gloo's own threads, which ``_collective_bytes`` reads from /proc."""
+    code = ("import torch\nfrom workbench.metrics.logger import _collective_bytes\nbefore = _collective_bytes()\n"
+            "torch.distributed.all_reduce(torch.ones(1_000_000))\n_collective_bytes() - before")
+    moved = fleet.run(code, show_output=False)
+    assert all(4_000_000 <= count < 100_000_000 for count in moved), moved
+
+
 def _mismatch(fleet, code: str, waiting_in: str) -> DistributedCellError:
     """Run ``code``, in which rank 0 waits for rank 1 after rank 1 finished the cell: the cell
     fails within seconds (the group's timeout is 300 s), naming where rank 0 waited."""

@@ -86,9 +86,28 @@ def test_a_collective_wait_restarts_when_the_rank_makes_progress(monkeypatch):
     monkeypatch.setattr(logger, "_main_thread_frame", lambda: frame)
     monkeypatch.setattr(logger, "_distributed_call", lambda f, ddp=False: (frame, "backward (DDP's gradient all-reduce)"))
     monkeypatch.setattr(logger, "_stack", lambda f: "its stack")
+    monkeypatch.setattr(logger, "_collective_bytes", lambda: 1000)
     pulse = logger._Pulse()
     waits = [pulse.beat(activity, 0, True, now=float(now))["waiting_s"]
              for now, activity in enumerate([5, 6, 7, 8, 9])]  # a bucket launched or a step done each second
     assert waits == [0.0] * 5
     waits = [pulse.beat(9, 0, True, now=float(now))["waiting_s"] for now in range(5, 40, 10)]
     assert waits == [1.0, 11.0, 21.0, 31.0], "a wait with no progress still counts up (a real mismatch)"
+
+
+def test_a_collective_whose_bytes_still_flow_is_not_waiting(monkeypatch):
+    """Was: one backward of DDP over a 50 Mbit/s link lasted longer than the mismatch rule's 5 s,
+    so the ranks still receiving the cell's last all-reduce were called stuck as soon as a faster
+    peer finished. Bytes moving through the collectives' threads restart the wait clock."""
+    from workbench.metrics import logger
+
+    frame = object()
+    moved = iter([0, 10, 20, 30, 40, 40, 40, 40])
+    monkeypatch.setattr(logger, "_main_thread_frame", lambda: frame)
+    monkeypatch.setattr(logger, "_distributed_call", lambda f, ddp=False: (frame, "backward (DDP's gradient all-reduce)"))
+    monkeypatch.setattr(logger, "_stack", lambda f: "its stack")
+    monkeypatch.setattr(logger, "_collective_bytes", lambda: next(moved))
+    pulse = logger._Pulse()
+    waits = [pulse.beat(7, 0, True, now=float(now))["waiting_s"] for now in range(0, 16, 2)]
+    assert waits == [0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 4.0, 6.0]
+

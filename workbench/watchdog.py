@@ -19,9 +19,11 @@ not judged by the second sign; ``--timeout`` covers it.
 A third sign needs no timeout: a mismatched collective. Once one rank has
 finished the cell, a collective over the whole group can no longer complete; if
 every rank still running has been inside a torch.distributed call (or a backward
-of a DDP model that syncs its gradients, where DDP waits for its all-reduce) for
-``MISMATCH_AFTER_S``, the cell is stopped at once instead of waiting out
-``--pg-timeout``. (Ranks waiting together in a collective of a sub-group that
+of a DDP model that syncs its gradients, where DDP waits for its all-reduce) with
+nothing moving (no byte through its collectives' threads, no new activity) for
+``MISMATCH_AFTER_S``, and that long since the peer finished, the cell is stopped at
+once instead of waiting out ``--pg-timeout``. (On a thin link the last all-reduce
+of a cell can end seconds after the first rank's: its bytes still flow.) (Ranks waiting together in a collective of a sub-group that
 leaves out the finished rank, for that long, would be judged the same way.) The cell runner
 (:mod:`workbench.execution`) stops a hung cell like a failed one, and kills and
 replaces a hung rank that does not stop.
@@ -62,6 +64,7 @@ class HangWatch:
         # a heartbeat is about this cell if the rank's cell counter has passed its last reply's
         self.before = {r: self.store.cells_done.get(pid, -1) for r, pid in self.pids.items()}
         self.started = time.time()
+        self.peer_finished_at: float | None = None
 
     def _stream(self, rank: int):
         """The rank's stream if it comes from the engine running this cell."""
@@ -73,6 +76,10 @@ class HangWatch:
         if not finished or not pending:
             return []
         now = time.time()
+        if self.peer_finished_at is None:
+            self.peer_finished_at = now
+        if now - self.peer_finished_at < MISMATCH_AFTER_S:
+            return []
         waits = {}
         for rank in sorted(pending):
             stream = self._stream(rank)

@@ -312,14 +312,16 @@ class _Pulse:
     ``busy``: a cell's user code is running. ``waiting_in``: the torch.distributed
     call the main thread is inside (``torch.distributed.all_reduce``, ...), or a backward
     that ends in DDP's gradient all-reduce, with ``waiting_s`` the seconds it has been
-    there, and its stack."""
+    there with nothing moving (no new activity, no byte through the collectives' threads),
+    and its stack."""
 
     def __init__(self) -> None:
         self.activity = -1
         self.changed_at = 0.0
-        # ((id of the torch.distributed frame, activity), first seen): a frame id is reused from step to
-        # step, so the same id with new activity (a forward, a step, a collective launched) is a new wait
-        self.waiting: tuple[tuple[int, int], float] | None = None
+        # ((id of the torch.distributed frame, activity, bytes moved), since): a frame id is reused from
+        # step to step, so the same id with new activity (a forward, a step, a collective launched) is a new
+        # wait; and a collective whose bytes still flow (a thin link) is progressing, not stuck
+        self.waiting: tuple[tuple[int, int, int], float] | None = None
 
     def beat(self, activity: int, at_cell_start: int, in_user_code: bool, now: float,
              ddp_syncing: bool = False) -> Beat:
@@ -330,13 +332,43 @@ class _Pulse:
         call, label = _distributed_call(frame, ddp_syncing)
         if call is None:
             self.waiting = None
-        elif self.waiting is None or self.waiting[0] != (id(call), activity):
-            self.waiting = ((id(call), activity), now)
+        else:
+            key = (id(call), activity, _collective_bytes())
+            if self.waiting is None or self.waiting[0] != key:
+                self.waiting = (key, now)
         waiting_s = now - self.waiting[1] if self.waiting else None
         wants_stack = (stalled is not None and stalled >= STACK_AFTER_S) or (waiting_s or 0.0) >= STACK_AFTER_S
         stack = _stack(frame) if wants_stack else None
         return Beat(stalled_s=stalled, stack=stack, busy=in_user_code,
                     waiting_in=label, waiting_s=waiting_s)
+
+
+def _collective_bytes() -> int:
+    """Bytes read and written so far by this process's native threads that are not ZeroMQ's:
+    gloo's transport and run-loop threads (the kernel's messages go through ZeroMQ's threads,
+    Python's own threads are left out). NCCL moves no bytes through system calls: 0 moves there."""
+    import os
+
+    python_threads = {thread.native_id for thread in threading.enumerate()}
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # not Linux
+        return 0
+    for tid in tasks:
+        if int(tid) in python_threads:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if comm.read().startswith("ZMQbg"):
+                    continue
+            with open(f"/proc/self/task/{tid}/io") as io:
+                for line in io:
+                    if line.startswith(("rchar", "wchar")):
+                        total += int(line.split()[1])
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+    return total
 
 
 def _main_thread_frame():
