@@ -2,14 +2,20 @@
 through ipyparallel's ssh launcher. Prints one JSON line of results last.
 
 ``python cluster_driver.py placement '<ssh args>' '<hosts>' N '<more hosts>'``
-``python cluster_driver.py host_loss '<ssh args>' '<hosts>' N``: prints ``CELL STARTED`` when a
-long training cell starts (the test then kills or cuts off the last host).
+``python cluster_driver.py host_loss '<ssh args>' '<hosts>' N [back|reboot]``: prints ``CELL STARTED``
+when a long training cell starts (the test then kills or cuts off the last host); with ``back`` it
+prints ``SHRUNK`` after going on without it and, once told on stdin, scales onto it again; with
+``reboot`` it prints ``REFUSED`` after a refused recover and, once told, recovers onto it.
+``python cluster_driver.py slurm - '<hosts>' N '<hosts with a node that never comes up>'``: the same
+through Slurm (SLURM_CONF set by the test), one job per node; prints ``CELL STARTED`` too.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import subprocess
 import sys
 import time
 
@@ -96,28 +102,21 @@ def host_loss() -> None:
                progress=False, wandb=False, tensorboard=False, runs_dir="workbench-runs") as fleet:
         fleet.execute(SETUP, CellOptions(), show_output=False, setup=True)
         fleet.run(TRAIN, show_output=False)
-        try:
-            fleet.run(LONG_TRAIN, show_output=True)
-        except Exception as exc:
-            result["failed_at"] = time.time()
-            result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-            result["notes"] = " ".join(getattr(exc, "notes", None) or [])
-        try:  # no host has a free slot for the lost rank
-            fleet.recover()
-        except Exception as exc:
-            result["recover_error"] = f"{type(exc).__name__}: {exc}"
-        recovered = time.monotonic()
-        fleet.recover(shrink=True)
-        result["recover_s"] = time.monotonic() - recovered
-        result["ranks_after"] = fleet.world_size
-        result["where_after"] = fleet.run(WHERE, show_output=False)
-        params = fleet.run(PARAMS, show_output=False)
-        result["survivors_agree"] = all(same(params[0], p) for p in params[1:])
-        result["step_after_recover"] = fleet.run("workbench.step", show_output=False)
-        fleet.run(TRAIN, show_output=False)
-        params = fleet.run(PARAMS, show_output=False)
-        result["trains_on"] = all(same(params[0], p) for p in params[1:])
-        result["step_after_training"] = fleet.run("workbench.step", show_output=False)
+        last_host = fleet.members[-1].host
+        result["stale_pids"] = [m.pid for m in fleet.members if m.host == last_host]
+        _lose_a_host_and_go_on(fleet, result, reboot=sys.argv[5:] == ["reboot"])
+        if sys.argv[5:] == ["back"]:  # the test brings the lost host back, then a scale-up may use it again
+            print("SHRUNK", flush=True)
+            sys.stdin.readline()
+            scaled = time.monotonic()
+            fleet.scale(n)
+            result["back_scale_s"] = time.monotonic() - scaled
+            result["where_back"] = fleet.run(WHERE, show_output=False)
+            params = fleet.run(PARAMS, show_output=False)
+            result["back_state_kept"] = all(same(params[0], p) for p in params[1:])
+            fleet.run(TRAIN, show_output=False)
+            params = fleet.run(PARAMS, show_output=False)
+            result["back_trains"] = all(same(params[0], p) for p in params[1:])
     print(json.dumps(result))
 
 
@@ -158,5 +157,97 @@ def slow_link() -> None:
     print(json.dumps(result))
 
 
+def _jobs() -> list[str]:
+    """Slurm's jobs: ``id node state`` each."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i %N %T"], capture_output=True, text=True, timeout=30)
+    return sorted(out.stdout.split("\n")[:-1])
+
+
+def _lose_a_host_and_go_on(fleet, result: dict, reboot: bool = False) -> None:
+    """LONG_TRAIN, during which the test takes the last host away; then recover --shrink (or, with
+    ``reboot``, recover onto the same host once the test says it is back) and train on."""
+    try:
+        fleet.run(LONG_TRAIN, show_output=True)
+    except Exception as exc:
+        result["failed_at"] = time.time()
+        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        result["notes"] = " ".join(getattr(exc, "notes", None) or [])
+    try:  # no host has a free slot for the lost rank
+        fleet.recover()
+    except Exception as exc:
+        result["recover_error"] = f"{type(exc).__name__}: {exc}"
+    if reboot:
+        print("REFUSED", flush=True)
+        sys.stdin.readline()
+    recovered = time.monotonic()
+    fleet.recover(shrink=not reboot)
+    result["recover_s"] = time.monotonic() - recovered
+    _trains_on(fleet, result)
+
+
+LONG_THEN_SHORT = LONG_TRAIN.replace("import time\n", "import time\nsteps, steps_to_run = steps_to_run, 5\n").replace(
+    "range(400)", "range(steps)")  # long, and short when --auto-recover runs it again
+
+
+def _lose_a_host_auto_recovered(fleet, result: dict) -> None:
+    """With --auto-recover: the test takes the last host away during LONG_THEN_SHORT; the fleet goes
+    on without its ranks by itself (no free slot elsewhere) and runs the cell again."""
+    notices = []
+
+    class Notices(logging.Handler):
+        def emit(self, record):
+            notices.append((time.time(), record.getMessage()))
+
+    logging.getLogger("workbench").addHandler(Notices())
+    fleet.run("steps_to_run = 400", show_output=False)
+    fleet.run(LONG_THEN_SHORT, show_output=True)
+    result["failed_at"], result["auto_notice"] = next((t, m) for t, m in notices if "auto-recover" in m)
+    _trains_on(fleet, result)
+
+
+def _trains_on(fleet, result: dict) -> None:
+    result["ranks_after"] = fleet.world_size
+    result["where_after"] = fleet.run(WHERE, show_output=False)
+    params = fleet.run(PARAMS, show_output=False)
+    result["survivors_agree"] = all(same(params[0], p) for p in params[1:])
+    result["step_after_recover"] = fleet.run("workbench.step", show_output=False)
+    fleet.run(TRAIN, show_output=False)
+    params = fleet.run(PARAMS, show_output=False)
+    result["trains_on"] = all(same(params[0], p) for p in params[1:])
+    result["step_after_training"] = fleet.run("workbench.step", show_output=False)
+
+
+def slurm() -> None:
+    hosts, n, never_up = sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    options = dict(launcher="slurm", progress=False, wandb=False, tensorboard=False, runs_dir="workbench-runs")
+    result = {}
+    started = time.monotonic()
+    try:  # all or nothing: one node's job never starts
+        with Fleet(n=2, hosts=never_up, engine_timeout=15, **options):
+            result["never_up_error"] = "started"
+    except Exception as exc:
+        result["never_up_error"] = f"{type(exc).__name__}: {exc}"
+    result["never_up_s"] = time.monotonic() - started
+    result["jobs_after_failed_start"] = _jobs()
+    started = time.monotonic()
+    with Fleet(n=n, hosts=hosts, engine_timeout=90, auto_recover=True, **options) as fleet:
+        result["start_s"] = time.monotonic() - started
+        result["jobs"] = _jobs()
+        jobs = fleet.run("import os; os.environ['SLURM_JOB_ID'], os.environ['SLURM_NTASKS']", show_output=False)
+        result["where"] = [[*where, *job] for where, job in zip(fleet.run(WHERE, show_output=False), jobs, strict=True)]
+        fleet.execute(SETUP, CellOptions(), show_output=False, setup=True)
+        fleet.run(TRAIN, show_output=False)
+        params = fleet.run(PARAMS, show_output=False)
+        result["ddp_ranks_agree"] = all(same(params[0], p) for p in params[1:])
+        fleet.checkpoints.save(tag="slurm")
+        fleet.run(TRAIN, show_output=False)
+        fleet.checkpoints.restore("slurm")
+        restored = fleet.run(PARAMS, show_output=False)
+        result["restore_exact"] = all(same(a, b) for a, b in zip(params, restored, strict=True))
+        _lose_a_host_auto_recovered(fleet, result)
+        result["jobs_after_loss"] = _jobs()
+    print(json.dumps(result))
+
+
 if __name__ == "__main__":
-    {"placement": placement, "host_loss": host_loss, "slow_link": slow_link}[sys.argv[1]]()
+    {"placement": placement, "host_loss": host_loss, "slow_link": slow_link, "slurm": slurm}[sys.argv[1]]()

@@ -7,7 +7,9 @@ hostname, hosts file and sshd (root, Linux; the facts are in ../shared/NOTES.md)
   ``/etc/netns/<ns>/hosts`` naming every host, and an sshd that accepts one test key for root;
 - :meth:`run` starts a process "on" a host: in its namespace, under its own UTS hostname;
 - :meth:`shape` limits a host's link with ``tc tbf``; :meth:`cut` takes it down (a partition);
-- :meth:`kill_host` kills every process of a host (its sshd too): the host died.
+- :meth:`kill_host` kills every process of a host (its sshd too): the host died;
+- :meth:`start_slurm` runs Slurm on them: slurmctld on the first host, a slurmd per host
+  (each in its host's namespace, with the cgroup v1 hierarchies slurmd wants mounted there).
 Everything goes away in :meth:`close` (also after a failure): processes, namespaces, files.
 Traffic flows only between these namespaces. The filesystem is shared, as on a cluster with a
 shared home (the same venv and run folder on every host).
@@ -24,6 +26,33 @@ import tempfile
 import time
 
 SSHD = "/usr/sbin/sshd"
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
+SLURM_CONF = """ClusterName=wbsim
+SlurmctldHost={first}({first_address})
+AuthType=auth/munge
+AuthInfo=socket={dir}/munge.sock
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool-%n
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd-%n.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd-%n.log
+ReturnToService=2
+MpiDefault=none
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+"""
+# slurmd wants the cgroup v1 hierarchies; `ip netns exec` remounts /sys, so they are mounted again in there
+CGROUPS = ("mount -t tmpfs none /sys/fs/cgroup && for c in cpu cpuacct cpuset memory devices freezer blkio pids; "
+           "do mkdir -p /sys/fs/cgroup/$c && mount -t cgroup -o $c $c /sys/fs/cgroup/$c; done && "
+           "mkdir -p /sys/fs/cgroup/systemd && mount -t cgroup -o none,name=systemd systemd /sys/fs/cgroup/systemd "
+           '&& exec "$@"')
 
 
 def can_simulate() -> str | None:
@@ -61,6 +90,7 @@ class SimulatedHosts:
         self._switch = f"wbsw{self.tag}"
         self._sshd: dict[str, subprocess.Popen] = {}
         self._made: list[str] = []  # namespaces made so far
+        self.slurm_conf: pathlib.Path | None = None  # set by start_slurm
         try:
             self._build()
         except BaseException:
@@ -173,6 +203,45 @@ class SimulatedHosts:
             except ProcessLookupError:
                 pass
 
+    def start_slurm(self, nodes: list[str] | None = None, timeout: float = 60.0) -> pathlib.Path:
+        """Slurm over these hosts: munged (here; its socket is on the shared filesystem), slurmctld
+        on the first host, slurmd on each of ``nodes`` (default all hosts; a host left out is a
+        node that never comes up). Returns the slurm.conf path (``SLURM_CONF`` for clients)."""
+        missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+        if missing:
+            raise RuntimeError(f"Slurm needs {', '.join(missing)}: apt-get install -y slurm-wlm munge")
+        nodes = list(self.names if nodes is None else nodes)
+        folder = self.folder / "slurm"
+        for sub in ["state", *(f"spool-{host}" for host in self.names)]:
+            (folder / sub).mkdir(parents=True)
+        cpus = os.cpu_count() or 1
+        self.slurm_conf = folder / "slurm.conf"
+        self.slurm_conf.write_text(SLURM_CONF.format(
+            first=self.names[0], first_address=self.addresses[self.names[0]], dir=folder,
+            nodes="\n".join(f"NodeName={h} NodeAddr={self.addresses[h]} CPUs={cpus} State=UNKNOWN" for h in self.names)))
+        key = folder / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        _sh("munged", "--force", "-S", str(folder / "munge.sock"), f"--key-file={key}",
+            f"--log-file={folder / 'munged.log'}", f"--pid-file={folder / 'munged.pid'}",
+            f"--seed-file={folder / 'munged.seed'}")
+        env = {**os.environ, "SLURM_CONF": str(self.slurm_conf)}
+        log = open(folder / "daemons.log", "w")
+        self.run(self.names[0], ["slurmctld", "-D"], env=env, stdout=log, stderr=log)
+        for host in nodes:
+            self.run(host, ["sh", "-c", CGROUPS, "sh", "slurmd", "-D", "-N", host], env=env, stdout=log, stderr=log)
+        deadline = time.monotonic() + timeout
+        while True:
+            done = subprocess.run(["ip", "netns", "exec", self.namespace(self.names[0]), "sinfo", "-h", "-N", "-o",
+                                   "%N %T"], capture_output=True, text=True, env=env)
+            states = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
+            if all(states.get(host) == "idle" for host in nodes):
+                return self.slurm_conf
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Slurm nodes not idle after {timeout:.0f} s: {states} "
+                                   f"{(folder / 'daemons.log').read_text()[-1000:]}")
+            time.sleep(0.5)
+
     def close(self) -> None:
         for host in self.names:
             if self.namespace(host) in self._made:
@@ -186,6 +255,9 @@ class SimulatedHosts:
             _sh("ip", "netns", "del", ns, check=False)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         self._made = []
+        if self.slurm_conf is not None:
+            munge = self.slurm_conf.parent / "munge.sock"
+            _sh("munged", "-s", "-S", str(munge), check=False)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> "SimulatedHosts":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -45,8 +46,10 @@ def test_hosts_options_are_checked_before_anything_starts():
     assert FleetOptions(launcher="ssh", hosts="a:2,b:2").validate().n == 4  # -n defaults to the slots
     with pytest.raises(OptionsError, match=r"-n 5 needs 5 slots but the hosts have 4 \(a:2,b:2\)"):
         FleetOptions(n=5, launcher="ssh", hosts="a:2,b:2").validate()
-    with pytest.raises(OptionsError, match="place engines with --launcher ssh"):
-        FleetOptions(n=2, hosts="a:2").validate()
+    assert FleetOptions(launcher="slurm", hosts="a:2,b:2").validate().n == 4  # one job per host
+    for launcher in ("local", "pbs", "mpi"):
+        with pytest.raises(OptionsError, match="place engines with --launcher ssh or slurm"):
+            FleetOptions(n=2, hosts="a:2", launcher=launcher).validate()
     with pytest.raises(OptionsError, match="--hosts or --hostfile, not both"):
         FleetOptions(launcher="ssh", hosts="a:2", hostfile="/x").validate()
 
@@ -61,15 +64,33 @@ def hosts():
 
 
 def _others(hosts, host) -> list[int]:
-    """Processes on ``host`` other than its sshd listener."""
-    return [p for p in hosts.pids(host) if "sshd" not in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
+    """Processes on ``host`` other than its daemons (sshd, and slurmd/slurmctld once Slurm runs)."""
+    return [p for p in hosts.pids(host)
+            if not any(daemon in _cmdline(p) for daemon in ("sshd", "slurmd", "slurmctld", "slurmscriptd"))]
 
 
-def _start_driver(hosts, tmp_path, *args: str) -> subprocess.Popen:
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "sshd"  # gone meanwhile: counts as nothing left
+
+
+def _nothing_left(hosts) -> None:
+    """Nothing of the fleet outlives it, on any host."""
+    deadline = time.monotonic() + 15
+    while any(_others(hosts, h) for h in hosts.names) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_others(hosts, h) for h in hosts.names), {h: [_cmdline(p) for p in _others(hosts, h)]
+                                                             for h in hosts.names}
+
+
+def _start_driver(hosts, tmp_path, *args: str, env: dict | None = None) -> subprocess.Popen:
     """tests/cluster_driver.py on hostA (the kernel's host)."""
     return hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), args[0],
                                " ".join(hosts.ssh_args), *args[1:]],
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                     env={**os.environ, **(env or {})})
 
 
 def _result(driver: subprocess.Popen) -> dict:
@@ -107,38 +128,50 @@ def test_a_fleet_across_hosts_over_ssh(hosts, tmp_path):
     assert result["state_on_more_hosts"]
     # hostB's and hostC's ranks sent their metrics over TCP, signed with the run's key
     assert result["metrics_from_ranks"] == [0, 1, 2, 3] and result["unsigned_metrics"] == 0
-    # nothing of the fleet outlives it, on any host
-    deadline = time.monotonic() + 15
-    while any(_others(hosts, h) for h in hosts.names) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_others(hosts, h) for h in hosts.names), {h: _others(hosts, h) for h in hosts.names}
+    _nothing_left(hosts)
 
 
-def _lose_host_mid_cell(hosts, tmp_path, lose, come_back) -> tuple[dict, float]:
-    """hostC (rank 2 of 3) is lost (``lose``) two seconds into a training cell; then it comes back
-    for the tests after this one. Returns the driver's result and the seconds until the cell failed."""
-    driver = _start_driver(hosts, tmp_path, "host_loss", "hostA:1,hostB:1,hostC:1", "3")
+def _lose_host_mid_cell(hosts, tmp_path, lose, come_back, driver=None, host="hostC",
+                        back: str | None = None) -> tuple[dict, float]:
+    """``host`` (default hostC, rank 2 of 3 in ``host_loss``) is lost (``lose``) two seconds into a
+    training cell; then it comes back (``come_back``): for the tests after this one, or, with
+    ``back`` (``back`` or ``reboot``, the driver's mode), while the driver runs on. Returns the
+    driver's result and the seconds until the cell failed."""
+    driver = driver or _start_driver(hosts, tmp_path, "host_loss", "hostA:1,hostB:1,hostC:1", "3",
+                                     *([back] if back else []))
     try:
-        for line in driver.stdout:
-            if "CELL STARTED" in line:
-                break
+        _read_until(driver, "CELL STARTED")
         time.sleep(2.0)  # a few steps in
         lost_at = time.time()
-        lose("hostC")
+        lose(host)
+        if back:
+            _read_until(driver, {"back": "SHRUNK", "reboot": "REFUSED"}[back])
+            come_back()
+            come_back = None
+            driver.stdin.write("back\n")
+            driver.stdin.flush()
         result = _result(driver)
     finally:
-        come_back()
+        if come_back is not None:  # not back yet
+            come_back()
     return result, result["failed_at"] - lost_at
 
 
-def _went_on_without_it(result: dict) -> None:
-    """recover --shrink: the 2 survivors from their live replica (the steps trained before and in
-    the failed cell), then training goes on."""
-    assert result["ranks_after"] == 2 and [w[0] for w in result["where_after"]] == ["hostA", "hostB"]
+def _read_until(driver: subprocess.Popen, mark: str) -> None:
+    for line in driver.stdout:
+        if mark in line:
+            return
+    raise AssertionError(f"the driver ended before {mark!r}: {driver.stderr.read()[-3000:]}")
+
+
+def _trained_on_after_recovery(result: dict, where: tuple[str, ...] = ("hostA", "hostB")) -> None:
+    """After the recovery the ranks are on ``where``, with the survivors' live replica (the steps
+    trained before and in the failed cell), and training goes on."""
+    assert result["ranks_after"] == len(where) and tuple(w[0] for w in result["where_after"]) == where
     assert result["survivors_agree"] and result["trains_on"]
     steps = result["step_after_recover"]
-    assert steps[0] == steps[1] > 5, steps
-    assert result["step_after_training"] == [steps[0] + 5] * 2
+    assert len(set(steps)) == 1 and steps[0] > 5, steps
+    assert result["step_after_training"] == [steps[0] + 5] * len(where)
 
 
 def _restart_sshd(hosts, host):
@@ -148,9 +181,12 @@ def _restart_sshd(hosts, host):
 
 def test_a_killed_host_is_named_in_seconds_and_the_others_keep_their_state(hosts, tmp_path):
     """Every process of hostC killed mid-cell (the machine died): the cell fails within 5 s naming
-    the host; the healthy ranks are not killed; recover --shrink goes on from their live replica."""
-    result, noticed = _lose_host_mid_cell(hosts, tmp_path, hosts.kill_host, lambda: _restart_sshd(hosts, "hostC"))
-    print(f"hostC killed: the cell failed after {noticed:.1f} s: {result['error']}; recover --shrink "
+    the host; the healthy ranks are not killed. recover is refused while no host has a free slot;
+    once hostC is back (rebooted: its sshd answers), recover puts rank 2 there again, with the
+    survivors' live replica."""
+    result, noticed = _lose_host_mid_cell(hosts, tmp_path, hosts.kill_host, lambda: _restart_sshd(hosts, "hostC"),
+                                          back="reboot")
+    print(f"hostC killed: the cell failed after {noticed:.1f} s: {result['error']}; back: recover onto it "
           f"{result['recover_s']:.1f} s")
     assert noticed < 5.0, noticed
     assert result["error"] == ("DistributedCellError: host hostC lost (ranks 2): its ranks went silent and the host "
@@ -159,27 +195,31 @@ def test_a_killed_host_is_named_in_seconds_and_the_others_keep_their_state(hosts
     assert result["recover_error"] == ("OptionsError: rank 2 ran on hostC, which is lost, and no other host has a free "
                                        "slot: %fleet recover --shrink goes on without them (then %fleet scale N "
                                        "--hosts HOST:K adds a host)")
-    _went_on_without_it(result)
+    _trained_on_after_recovery(result, ("hostA", "hostB", "hostC"))
 
 
 def test_a_cut_off_host_is_named_and_the_others_collectives_end_with_their_state(hosts, tmp_path):
     """hostC's link goes down mid-cell (its processes live on): named 'unreachable' within 10 s; the
     other ranks, blocked in a collective with it, are released by cutting their links to it (not
-    killed, not left until --pg-timeout); recover --shrink goes on from their live replica."""
+    killed, not left until --pg-timeout); recover --shrink goes on from their live replica. Then
+    the link comes back: a scale-up stops hostC's stale engine first (fenced), and puts a new one there."""
     def come_back():
         hosts.mend("hostC")
-        hosts.kill_host("hostC")  # its stale engine (fenced: never admitted again)
-        _restart_sshd(hosts, "hostC")
+        hosts._wait_ssh("hostC")  # the link is up again
 
-    result, noticed = _lose_host_mid_cell(hosts, tmp_path, hosts.cut, come_back)
+    result, noticed = _lose_host_mid_cell(hosts, tmp_path, hosts.cut, come_back, back="back")
     print(f"hostC cut off: the cell failed after {noticed:.1f} s: {result['error']}; recover --shrink "
-          f"{result['recover_s']:.1f} s")
+          f"{result['recover_s']:.1f} s; back: scaled onto it again in {result['back_scale_s']:.1f} s")
     assert noticed < 10.0, noticed
     assert result["error"] == ("DistributedCellError: host hostC unreachable (ranks 2): its ranks went silent and the "
                                "host does not answer on the network (a partition, or the machine is down); the other "
                                "ranks failed because of it")
     assert result["recover_s"] < 30, "the survivors' collective ended when their links to hostC were cut"
-    _went_on_without_it(result)
+    _trained_on_after_recovery(result)
+    assert [w[0] for w in result["where_back"]] == ["hostA", "hostB", "hostC"]
+    assert result["back_state_kept"] and result["back_trains"]
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in result["stale_pids"]), "the stale engine was fenced"
+    _nothing_left(hosts)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "hsdp"])
@@ -200,3 +240,52 @@ def test_a_thin_link_is_slow_not_a_mismatch(hosts, tmp_path, strategy):
     assert max(result["seconds"]) > 2.0, "the link was not thin"
     # the time in collectives is counted, also hsdp's all-reduce across the hosts: most of the step here
     assert all(comm > 0.5 * step for comm, step in zip(result["comm_s"], result["step_s"], strict=True)), result
+
+
+@pytest.fixture(scope="module")
+def slurm_conf(hosts):
+    """Slurm over the simulated hosts: slurmctld on hostA, slurmd on hostA and hostB; hostC is a
+    node of the cluster that never comes up."""
+    from simhosts import SLURM_TOOLS
+
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (apt-get install -y slurm-wlm munge; .ci/run does)")
+    return hosts.start_slurm(nodes=["hostA", "hostB"])
+
+
+def test_slurm_starts_one_job_per_node_all_or_nothing_and_names_a_lost_node(hosts, slurm_conf, tmp_path):
+    """--launcher slurm --hosts hostA:2,hostB:2: one job per node, each with its node's 2 ranks as
+    tasks. A start whose node never comes up fails whole within --engine-timeout, naming the job
+    that waits, and leaves no job. hostB killed mid-cell with --auto-recover: named within 5 s (its
+    slurmd is gone), hostA's ranks keep their state and their job, and the fleet goes on without
+    hostB by itself (no free slot elsewhere), running the cell again."""
+    driver = _start_driver(hosts, tmp_path, "slurm", "hostA:2,hostB:2", "4", "hostA:1,hostC:1",
+                           env={"SLURM_CONF": str(slurm_conf)})
+    result, noticed = _lose_host_mid_cell(hosts, tmp_path, hosts.kill_host, lambda: _restart_sshd(hosts, "hostB"),
+                                          driver=driver, host="hostB")
+    print(f"slurm: a node that never came up failed the start in {result['never_up_s']:.1f} s: "
+          f"{result['never_up_error']}\nstarted 2 nodes in {result['start_s']:.1f} s: {result['jobs']}; hostB killed: "
+          f"auto-recover began after {noticed:.1f} s: {result['auto_notice']}")
+    assert result["never_up_error"].startswith("FleetError: only 1 of 2 engines registered within 15 s (Slurm job ")
+    assert "PENDING" in result["never_up_error"] and result["never_up_error"].endswith(" for hostC); none are kept")
+    assert result["never_up_s"] < 45
+    assert not any(job.endswith("RUNNING") or job.endswith("PENDING") for job in result["jobs_after_failed_start"])
+    jobs = [job.split() for job in result["jobs"]]
+    assert [(node, state) for _, node, state in jobs] == [("hostA", "RUNNING"), ("hostB", "RUNNING")], jobs
+    job_of = {node: job for job, node, _ in jobs}
+    address = hosts.addresses["hostA"]
+    assert result["where"] == [["hostA", address, "0", "0", job_of["hostA"], "2"],
+                               ["hostA", address, "1", "0", job_of["hostA"], "2"],
+                               ["hostB", address, "0", "1", job_of["hostB"], "2"],
+                               ["hostB", address, "1", "1", job_of["hostB"], "2"]]
+    assert result["ddp_ranks_agree"] and result["restore_exact"]
+    assert noticed < 5.0, noticed
+    assert result["auto_notice"] == (
+        "auto-recover 1/3: host hostB lost (ranks 2,3): its ranks went silent and the host refuses connections (its "
+        "processes are gone) during the cell; recovering without the lost host's ranks (no free slot elsewhere) (a "
+        "survivor's state or the latest checkpoint) and running the cell again")
+    _trained_on_after_recovery(result, ("hostA", "hostA"))
+    after = {job: state for job, _, state in (j.split() for j in result["jobs_after_loss"] if len(j.split()) == 3)}
+    assert after.get(job_of["hostA"]) == "RUNNING" and after.get(job_of["hostB"]) != "RUNNING", result["jobs_after_loss"]
+    _nothing_left(hosts)

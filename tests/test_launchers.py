@@ -248,15 +248,40 @@ def _jobs() -> list[str]:
     return out.stdout.split("\n")[:-1] if out.returncode == 0 else [f"squeue failed: {out.stderr}"]
 
 
-def test_slurm_launcher_runs_a_ddp_cell_in_batch_jobs_that_end_with_the_fleet(slurm):
+def test_slurm_launcher_runs_a_ddp_cell_in_a_batch_job_that_ends_with_the_fleet(slurm):
     with Fleet(n=2, launcher="slurm", launcher_options={"partition": "debug"}, progress=False, wandb=False) as fleet:
         jobs = _jobs()
-        assert len(jobs) == 2 and all(j.endswith("RUNNING") for j in jobs), jobs
+        assert len(jobs) == 1 and jobs[0].endswith("RUNNING"), jobs
         got = fleet.run(DDP_CELL, show_output=False)
         assert [g[:2] for g in got] == [("DistributedDataParallel", 2)] * 2 and got[0][2] == got[1][2]
-        job_ids = fleet.run("import os; os.environ['SLURM_JOB_ID']", show_output=False)
-        assert set(job_ids) == {j.split()[0] for j in jobs}, "each rank runs in its own Slurm job"
+        job_ids = fleet.run("import os; os.environ['SLURM_JOB_ID'], os.environ['SLURM_PROCID']", show_output=False)
+        assert job_ids == [(jobs[0].split()[0], "0"), (jobs[0].split()[0], "1")], "the ranks are one job's tasks"
     deadline = time.monotonic() + 30
     while _jobs() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _jobs() == [], "the jobs are gone after the fleet stopped"
+
+
+def test_a_rank_of_a_slurm_job_is_replaced_alone_and_its_job_mate_keeps_its_state(slurm):
+    """Two ranks are one job's two tasks. Rank 1 is killed: the cell fails naming it, recover
+    starts a new one-task job for it, and rank 0, in the first job still, keeps its namespace."""
+    import signal
+
+    from workbench import DistributedCellError, FleetError
+
+    with Fleet(n=2, launcher="slurm", progress=False, wandb=False) as fleet:
+        fleet.run("kept = rank * 10", show_output=False)
+        first_job = _jobs()[0].split()[0]
+        os.kill(fleet.member(1).pid, signal.SIGKILL)
+        with pytest.raises((DistributedCellError, FleetError), match="rank 1 .*died"):
+            fleet.run("import time; time.sleep(3)", show_output=False)
+        fleet.recover()
+        jobs = [j.split()[0] for j in _jobs()]
+        assert first_job in jobs and len(jobs) == 2, jobs
+        assert fleet.run("kept", ranks=[0], show_output=False) == [0]
+        assert fleet.run("import os; os.environ['SLURM_JOB_ID']", show_output=False)[0] == first_job
+        assert fleet.run(DDP_CELL, show_output=False)[0][:2] == ("DistributedDataParallel", 2)
+    deadline = time.monotonic() + 30
+    while _jobs() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _jobs() == [], "both jobs are gone after the fleet stopped"

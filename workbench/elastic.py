@@ -227,10 +227,21 @@ def auto_recover(fleet, what: str, again: bool = False, replace: list[int] = ())
     if not ((fleet.auto_recover or replace) and fleet.restarts < fleet.max_restarts):
         return False
     fleet.restarts += 1
-    notice(f"auto-recover {fleet.restarts}/{fleet.max_restarts}: {what}; recovering (a survivor's state "
-           f"or the latest checkpoint){' and running the cell again' if again else ''}")
-    fleet.recover(replace=replace)
+    shrink = _no_slot_for_lost_ranks(fleet)
+    without = " without the lost host's ranks (no free slot elsewhere)" if shrink else ""
+    notice(f"auto-recover {fleet.restarts}/{fleet.max_restarts}: {what}; recovering{without} (a survivor's "
+           f"state or the latest checkpoint){' and running the cell again' if again else ''}")
+    fleet.recover(shrink=shrink, replace=() if shrink else replace)
     return True
+
+
+def _no_slot_for_lost_ranks(fleet) -> bool:
+    """Ranks on a lost host have no free slot on another host: recovering goes on without them."""
+    try:
+        fleet.pool.replaceable(fleet.pool.dead_ranks(settle_s=0.0))
+    except OptionsError:
+        return True
+    return False
 
 
 def recover_if_dead(fleet) -> None:

@@ -5,12 +5,15 @@ into the ``ipp.Cluster`` arguments and the traitlets config of that
 launcher's engine-set class (``SlurmEngineSetLauncher.queue``, ...), so every
 option ipyparallel knows passes through by name; ``--launcher-config FILE``
 loads a traitlets config file (``c.SlurmEngineSetLauncher.timelimit = ...``).
-Each rank is still its own engine set: one ``mpiexec -n 1``, one batch job
-of one task, one ssh command, so a rank can be replaced or added alone.
+Each rank is its own engine set (one ``mpiexec -n 1``, one ssh command), so a rank
+can be replaced or added alone; except with Slurm, where a node's ranks start
+together as one job (``--nodes=1 --nodelist=HOST``, one task per rank), so a node
+comes up whole or not at all, and a rank of it is stopped alone through its nanny.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -27,6 +30,7 @@ from .options import LAUNCHERS
 from .template import exit_status, socket_path
 
 REMOTE = ("slurm", "pbs", "ssh")  # engines may run on other hosts: the controller listens on the network
+SSH_PORT, SLURMD_PORT = 22, 6818  # what answers on a live host of each launcher (slurmd's default port)
 # friendly option names -> the trait of each launcher's engine-set class
 SHORTCUTS = {
     "partition": {"slurm": "queue", "pbs": "queue"},
@@ -50,16 +54,29 @@ class LauncherSpec:
         if self.config_file is not None and not os.path.isfile(self.config_file):
             raise OptionsError(f"--launcher-config {self.config_file!r} is not a file")
         self.traits = {self._trait(key): value for key, value in self.options.items()}
+        self.submit_command = ["sbatch"]  # Slurm's, as configured (configure)
+        self.ssh_command = ["ssh"]  # the ssh launcher's, with its ssh_args (configure)
 
     @property
     def remote(self) -> bool:
         return self.name in REMOTE
 
+    @functools.cached_property
+    def probe_port(self) -> int | None:
+        """The port a live host of this launcher answers on: sshd's (the ssh launcher started the
+        engines through it) or slurmd's. A host whose ranks went silent is asked there whether it
+        is still there (:meth:`EnginePool.lost_hosts_now`); None: hosts are not probed."""
+        if self.name == "ssh":
+            return SSH_PORT
+        if self.name == "slurm":
+            return _slurmd_port()
+        return None
+
     @property
-    def probes_hosts(self) -> bool:
-        """Its hosts run sshd (it started the engines through it): a host whose ranks went silent is
-        asked on port 22 whether it is still there (:meth:`EnginePool.lost_hosts_now`)."""
-        return self.name == "ssh"
+    def node_jobs(self) -> bool:
+        """A node's engines start together as one job of one task per rank (Slurm): the node
+        comes up whole or not at all, and a node lost ends only its own job."""
+        return self.name == "slurm"
 
     @property
     def stops_engines(self) -> bool:
@@ -84,13 +101,48 @@ class LauncherSpec:
                                f"{', '.join(sorted(known))}")
         return trait
 
-    def engine_set_kwargs(self, slot) -> dict:
-        """Traits of one rank's engine set: with ``--hosts``, the host its engine starts on."""
-        if self.name == "ssh" and slot.host is not None:
+    def engine_set_kwargs(self, slots: list) -> dict:
+        """Traits of the engine set of ``slots`` (one rank's, or one node's with Slurm): with
+        ``--hosts``, the host its engines start on."""
+        host = slots[0].host
+        if self.name == "ssh" and host is not None:
             # a shared filesystem: the connection files are already there (scp onto the same path would
             # truncate them)
-            return {"engines": {slot.host: {"n": 1, "to_send": []}}}
+            return {"engines": {host: {"n": 1, "to_send": []}}}
+        if self.name == "slurm":
+            # sbatch's own flags beside the batch script's: one node (the named one), and a job that is
+            # not ended when one of its nodes fails (without --hosts, Slurm spreads the tasks)
+            where = ["--nodes=1", f"--nodelist={host}"] if host is not None else ["--no-kill"]
+            return {"submit_command": [*self.submit_command, *where]}
         return {}
+
+    def fence(self, host: str, pids: list[int]) -> None:
+        """Stop the engines ``pids`` left on ``host`` from before it was lost (it answers again):
+        by ssh with the launcher's own ssh command. A Slurm node's job was cancelled when the node
+        was lost; its slurmd ends the job's tasks as it comes back."""
+        if self.name != "ssh" or not pids:
+            return
+        import subprocess
+
+        try:
+            subprocess.run([*self.ssh_command, host, "kill", "-KILL", *map(str, pids)], capture_output=True,
+                           timeout=15, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # it ends with the controller's silence bound, and is never admitted again
+
+    def pending_reason(self, engine_set) -> str | None:
+        """Why the batch job of ``engine_set`` has not started (``PENDING (Resources)``), or None."""
+        job_id = getattr(engine_set, "job_id", None)
+        if self.name != "slurm" or not job_id:
+            return None
+        import subprocess
+
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T (%r)"], capture_output=True,
+                                 text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return f"Slurm job {job_id} {out}" if out else None
 
     def cluster_kwargs(self) -> dict:
         """Arguments for ``ipp.Cluster``: the engine launcher (local engines fork from the engine
@@ -118,12 +170,32 @@ class LauncherSpec:
                 traits.setdefault("scp_args", list(traits["ssh_args"]))
         for trait, value in traits.items():
             cluster.config[section][trait] = value
+        if self.name == "slurm":
+            self.submit_command = list(cluster.config[section].get("submit_command", ["sbatch"]))
+        if self.name == "ssh":
+            self.ssh_command = [*cluster.config[section].get("ssh_cmd", ["ssh"]),
+                                *cluster.config[section].get("ssh_args", [])]
 
     def environment(self) -> dict:
         """Extra environment for the launcher: OpenMPI refuses root without these."""
         if self.name == "mpi" and os.geteuid() == 0:
             return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
         return {}
+
+
+def _slurmd_port() -> int:
+    """slurmd's port from Slurm's own configuration (``scontrol show config``), else its default."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return SLURMD_PORT
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "SlurmdPort" and value.strip().isdigit():
+            return int(value.strip())
+    return SLURMD_PORT
 
 
 def parse_options(pairs: list[str]) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 
 FOLDER = "control"
 
@@ -26,7 +27,7 @@ def order_cut(run_dir: str, host: str, addresses: list[str]) -> None:
     """Kernel side: tell every rank to cut its connections to ``addresses`` (``host``'s)."""
     folder = os.path.join(run_dir, FOLDER)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    path = os.path.join(folder, f"cut-{host}.json")
+    path = os.path.join(folder, f"cut-{host}-{time.time_ns()}.json")  # a host lost again is a new order
     with open(path + ".tmp", "w") as f:
         json.dump({"host": host, "addresses": addresses}, f)
     os.replace(path + ".tmp", path)

@@ -29,6 +29,7 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 LAUNCHERS: tuple[str, ...] = get_args(Launcher)
+PLACED_BY_HOST = ("ssh", "slurm")  # --hosts/--hostfile name where their engines start
 DEFAULT_PG_TIMEOUT_S = 300.0
 DEFAULT_ENGINE_TIMEOUT_S = 120.0
 DEFAULT_HANG_TIMEOUT_S = 300.0
@@ -279,7 +280,8 @@ class FleetOptions:
     launcher_config: str | None = flag(None, metavar="FILE")
     """a traitlets config file for the launcher"""
     hosts: str | None = flag(None, metavar="HOST:N,...")
-    """with --launcher ssh: start the ranks on these hosts in order, N on each (default -n: their slots)"""
+    """with --launcher ssh or slurm: start the ranks on these hosts in order, N on each (default -n: their
+    slots); Slurm starts each host's ranks as one job"""
     hostfile: str | None = flag(None, metavar="FILE")
     """like --hosts, from a file: one 'HOST slots=N' (or HOST:N) a line"""
     master_addr: str | None = flag(None, metavar="ADDR")
@@ -354,9 +356,9 @@ class FleetOptions:
         _choice(self.launcher, LAUNCHERS, "launcher")
         hosts = self.placement()
         if hosts is not None:
-            if self.launcher != "ssh":
-                raise OptionsError("--hosts/--hostfile place engines with --launcher ssh (Slurm, PBS and MPI place "
-                                   "them through their own allocation)")
+            if self.launcher not in PLACED_BY_HOST:
+                raise OptionsError("--hosts/--hostfile place engines with --launcher ssh or slurm (PBS and MPI "
+                                   "place them through their own allocation)")
             if self.n is None:
                 return replace(self, n=hosts.total).validate()
             if self.n > hosts.total:

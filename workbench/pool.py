@@ -31,7 +31,7 @@ from .processes import CONTROLLER_TIMEOUT_S, HUB_SILENT_S, Processes, alive, exi
 
 EXIT_GRACE_S = 5.0  # an engine whose launcher says it exited gets this long to show up registered
 QUIET_S = 1.5  # a rank on another host that sent nothing this long (heartbeats go every second) is quiet
-PROBE_PORT, PROBE_TIMEOUT_S = 22, 1.0  # a host whose ranks are all quiet is asked whether it answers (sshd)
+PROBE_TIMEOUT_S = 1.0  # a host whose ranks are all quiet is asked whether it answers (sshd, slurmd)
 PROBE_EVERY_S = 2.0  # at most this often per host
 REMOTE_SIGNAL_WAIT_S = 0.2  # a signal to another host's engine is sent through its nanny
 
@@ -83,6 +83,7 @@ class EnginePool:
         self._set_counter = 0
         self.lost_hosts: dict[str, str] = {}  # host -> why it was given up (``host hostB lost (ranks 1,2): …``)
         self._probed: dict[str, float] = {}  # host -> when it was last asked whether it answers
+        self._stale: dict[str, list[int]] = {}  # lost host -> pids of the engines left there (fenced when back)
 
     @property
     def world_size(self) -> int:
@@ -118,29 +119,43 @@ class EnginePool:
     # ------------------------------------------------------------------ starting engines
     def start(self, progress: ProgressLine, started: float) -> None:
         """Launch an engine for every slot and make them the ranks (slot order)."""
-        sets = {self.launch(slot): slot for slot in self.slots}
+        sets = self.launch_all(self.slots)
         self.client = self.processes.cluster.connect_client_sync()
         self.wait_for(sets, progress, started)
         self.map_members(sets)
 
-    def launch(self, slot: EngineSlot) -> str:
-        """Start the engine of ``slot``; returns its engine set id (it registers later)."""
+    def launch_all(self, slots: list[EngineSlot]) -> dict[str, list[EngineSlot]]:
+        """Start engines for ``slots``: one engine set per slot, or per host where the launcher
+        starts a node's engines as one job (Slurm). Returns engine set id -> its slots."""
+        if not self.processes.launcher.node_jobs:
+            return {self.launch([slot]): [slot] for slot in slots}
+        by_host: dict[str | None, list[EngineSlot]] = {}
+        for slot in slots:
+            by_host.setdefault(slot.host, []).append(slot)
+        return {self.launch(group): group for group in by_host.values()}
+
+    def launch(self, slots: list[EngineSlot]) -> str:
+        """Start the engines of ``slots`` as one engine set; returns its id (they register later)."""
+        first = slots[0]
         env = {
             **self.processes.launcher.environment(),
-            "WORKBENCH_SLOT": str(slot.slot),
             "OMP_NUM_THREADS": os.environ.get(
-                "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self._engines_on(slot.host)))
+                "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self._engines_on(first.host)))
             ),
             "PYTHONUNBUFFERED": "1",
         }
-        if slot.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = slot.gpu
-        env.update(self.slot_environment.get(slot.slot, {}))
+        if len(slots) == 1:
+            env["WORKBENCH_SLOT"] = str(first.slot)
+            if first.gpu is not None:
+                env["CUDA_VISIBLE_DEVICES"] = first.gpu
+            env.update(self.slot_environment.get(first.slot, {}))
+        else:  # one job's tasks: each engine takes its task's slot (rendezvous.identify)
+            env["WORKBENCH_SLOTS"] = ",".join(str(slot.slot) for slot in slots)
         self._set_counter += 1
-        set_id = f"slot{slot.slot}-{self._set_counter}"
+        set_id = f"slot{first.slot}-{self._set_counter}"
         try:
-            self.processes.cluster.start_engines_sync(n=1, engine_set_id=set_id, environment=env,
-                                                      **self.processes.launcher.engine_set_kwargs(slot))
+            self.processes.cluster.start_engines_sync(n=len(slots), engine_set_id=set_id, environment=env,
+                                                      **self.processes.launcher.engine_set_kwargs(slots))
         except BaseException:  # an interrupt half-way: no engine nobody knows of may come up later
             try:
                 self.processes.stop_engine_set(set_id)
@@ -157,6 +172,7 @@ class EnginePool:
     def replaceable(self, ranks: list[int]) -> None:
         """Raise a one-line OptionsError, before anything changes, when a rank of ``ranks`` is on a
         lost host and no other host has a free slot for it."""
+        self.readmit_hosts()
         on_lost = [r for r in ranks if self.on_lost_host(r)]
         if not on_lost:
             return
@@ -166,6 +182,29 @@ class EnginePool:
             raise OptionsError(f"rank {','.join(map(str, on_lost))} ran on {hosts}, which is lost, and no other host has "
                                f"a free slot: %fleet recover --shrink goes on without them (then %fleet scale N "
                                "--hosts HOST:K adds a host)")
+
+    def readmit_hosts(self) -> list[str]:
+        """Lost hosts that answer again (the partition healed, the machine rebooted): the engines
+        left there (those of its ranks too, which stay dead ranks until recovered) are stopped
+        first (fenced: a stale engine never trains with the fleet again), then its slots take new
+        engines."""
+        port = self.processes.launcher.probe_port
+        back = []
+        for host in list(self.lost_hosts) if port is not None else []:
+            try:
+                with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
+                    pass
+            except OSError:
+                continue
+            left = [m for m in self.members if m.host == host]
+            self._dead_engines |= {m.engine_id for m in left}
+            stale = self._stale.pop(host, []) + [m.pid for m in left]
+            self.processes.launcher.fence(host, stale)
+            del self.lost_hosts[host]
+            back.append(host)
+            notice(f"host {host} answers again: its stale engines were stopped (pid "
+                   f"{','.join(map(str, stale)) or 'none'}); its slots take new engines")
+        return back
 
     def _free_hosts(self, count: int, leaving: list[Member]) -> list[str] | None:
         """Hosts with free slots for ``count`` engines, lost hosts and the slots of ``leaving`` aside."""
@@ -216,46 +255,61 @@ class EnginePool:
         return {info["slot"]: (e, info) for e, info in self._identities.items()
                 if e in registered and e not in taken}
 
-    def wait_for(self, sets: dict[str, EngineSlot], progress: ProgressLine, started: float) -> None:
-        """Wait until the engines of ``sets`` have registered; one-line errors if one exits or time runs out."""
+    def wait_for(self, sets: dict[str, list[EngineSlot]], progress: ProgressLine, started: float) -> None:
+        """Wait until the engines of ``sets`` have all registered (all or nothing: the caller stops
+        them all on an error); one-line errors if one exits or time runs out."""
         deadline = time.monotonic() + self.engine_timeout
-        exited: dict[int, float] = {}  # slot -> when its launcher first said the engine exited
+        exited: dict[str, float] = {}  # engine set -> when its launcher first said it exited
+        total = sum(len(slots) for slots in sets.values())
         while True:
             self._identify_new()
             up = set(self._unassigned())
-            if all(slot.slot in up for slot in sets.values()):
+            missing = {set_id: [s for s in slots if s.slot not in up] for set_id, slots in sets.items()}
+            missing = {set_id: slots for set_id, slots in missing.items() if slots}
+            if not missing:
                 return
-            for set_id, slot in sets.items():
+            for set_id, slots in missing.items():
                 launcher = self.processes.cluster.engines.get(set_id)
-                if slot.slot not in up and launcher is not None and launcher.stop_data:
+                if launcher is not None and launcher.stop_data:
                     # the launcher can report an exit while the engine's registration is still reaching
                     # this client (seen on a loaded machine: "Completed registration" as its last line)
-                    exited.setdefault(slot.slot, time.monotonic())
-                    if time.monotonic() - exited[slot.slot] < EXIT_GRACE_S:
+                    exited.setdefault(set_id, time.monotonic())
+                    if time.monotonic() - exited[set_id] < EXIT_GRACE_S:
                         continue
                     log = self.processes.engine_log(set_id).strip().splitlines()
                     last = log[-1] if log else "no output"
-                    raise FleetError(f"the engine for rank slot {slot.slot} exited while starting: {last}")
-            count = sum(slot.slot in up for slot in sets.values())
+                    raise FleetError(f"the engine for rank slot {_slot_names(slots)} exited while starting: {last}")
+            count = total - sum(len(slots) for slots in missing.values())
             if time.monotonic() > deadline:
+                waiting = [self._not_started(set_id, slots) for set_id, slots in missing.items()]
                 raise FleetError(
-                    f"only {count} of {len(sets)} engines registered within {self.engine_timeout:.0f} s; "
-                    "the machine may be overloaded: try again, or pass a larger engine_timeout"
+                    f"only {count} of {total} engines registered within {self.engine_timeout:.0f} s"
+                    + (f" ({'; '.join(waiting)}); none are kept" if any(waiting) else
+                       "; the machine may be overloaded: try again, or pass a larger engine_timeout")
                 )
-            progress.show(f"fleet: starting engines {count}/{len(sets)} ({time.monotonic() - started:.0f} s)…",
+            progress.show(f"fleet: starting engines {count}/{total} ({time.monotonic() - started:.0f} s)…",
                           key=count)
             time.sleep(0.1)
 
-    def map_members(self, sets: dict[str, EngineSlot]) -> None:
+    def _not_started(self, set_id: str, slots: list[EngineSlot]) -> str:
+        """Why the engines of ``slots`` are not up, where the launcher can say (a pending batch job)."""
+        reason = self.processes.launcher.pending_reason(self.processes.cluster.engines.get(set_id))
+        if reason is None:
+            return ""
+        where = f" for {slots[0].host}" if slots[0].host is not None else ""
+        return f"{reason}{where}"
+
+    def map_members(self, sets: dict[str, list[EngineSlot]]) -> None:
         """Match new engines to their slots and give every engine its rank (slot order)."""
         unassigned = self._unassigned()
         new_ids = []
-        for set_id, slot in sets.items():
-            if slot.slot not in unassigned:  # it registered, then died before it got its rank
-                raise FleetError(f"the engine for rank slot {slot.slot} exited right after starting; try again")
-            engine_id, info = unassigned[slot.slot]
-            self.members.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
-            new_ids.append(engine_id)
+        for set_id, slots in sets.items():
+            for slot in slots:
+                if slot.slot not in unassigned:  # it registered, then died before it got its rank
+                    raise FleetError(f"the engine for rank slot {slot.slot} exited right after starting; try again")
+                engine_id, info = unassigned[slot.slot]
+                self.members.append(Member(-1, slot, engine_id, info["pid"], info["host"], set_id))
+                new_ids.append(engine_id)
         self._renumber()
         self.on_new_engines(new_ids)
 
@@ -301,6 +355,7 @@ class EnginePool:
         used = [m.slot for m in self.members + self.spares] + list(self.pending_spares.values())
         first = max(s.slot for s in used) + 1 if used else 0
         if self.hosts is not None:  # ranks and spares count against their host's slots; lost hosts are full
+            self.readmit_hosts()
             places = self.hosts.assign(count, self._used_hosts())
             return [EngineSlot(first + i, host=host) for i, host in enumerate(places)]
         if self.device_type == "cpu":
@@ -324,7 +379,7 @@ class EnginePool:
             notice(f"no spare engine started: {exc}")
             return
         for slot in slots:
-            self.pending_spares[self.launch(slot)] = slot
+            self.pending_spares[self.launch([slot])] = slot
         self.record_pids()
 
     def adopt_spares(self) -> list[int]:
@@ -369,19 +424,19 @@ class EnginePool:
                 "starting": len(self.pending_spares)}
 
     # ------------------------------------------------------------------ changing the ranks
-    def launch_cold(self, slots: list[EngineSlot]) -> dict[str, EngineSlot]:
+    def launch_cold(self, slots: list[EngineSlot]) -> dict[str, list[EngineSlot]]:
         """Start engines now for the ``slots`` that no warm spare will take, so that they start
         while the caller does other work (a rescale's checkpoint); :meth:`add_engines` adds them."""
         self.adopt_spares()
-        return {self.launch(slot): slot for slot in slots[len(self.spares):]}
+        return self.launch_all(slots[len(self.spares):])
 
-    def add_engines(self, slots: list[EngineSlot], launched: dict[str, EngineSlot] | None = None) -> None:
+    def add_engines(self, slots: list[EngineSlot], launched: dict[str, list[EngineSlot]] | None = None) -> None:
         """Make ``slots`` ranks: warm spares first, else new engines (``launched``: already started
         by :meth:`launch_cold`)."""
         launched = dict(launched or {})
-        waiting = set(launched.values())
+        waiting = {slot for group in launched.values() for slot in group}
         left = self._take_spares([slot for slot in slots if slot not in waiting])
-        sets = {**launched, **{self.launch(slot): slot for slot in left}}
+        sets = {**launched, **self.launch_all(left)}
         if sets:
             self.wait_for(sets, ProgressLine(False), time.monotonic())
             self.map_members(sets)
@@ -391,41 +446,58 @@ class EnginePool:
         doomed = [self.member(r) for r in ranks]
         for member in doomed:
             if member.host in self.lost_hosts:  # nothing there answers: asking would only wait
-                self.processes.forget_engine_set(member.engine_set, member.host)
                 continue
             try:
                 self.client.shutdown(targets=[member.engine_id], block=True)
             except Exception:
                 pass
-            self.processes.stop_engine_set(member.engine_set)
         gone = {m.engine_id for m in doomed}
+        self._dead_engines |= gone  # never a rank again (a lost host's engine may come back to the hub)
         self.members = [m for m in self.members if m.engine_id not in gone]
+        self._end_engine_sets(doomed)
         psutil.wait_procs(process_trees(self.local_pids(doomed)), timeout=5)
         self._renumber()
+
+    def _end_engine_sets(self, departed: list[Member]) -> None:
+        """Stop the engine sets of ``departed`` (already out of the members) that no rank or spare
+        still runs in: a node's Slurm job ends with its last engine. A lost host's sets are only
+        forgotten (nothing there answers), except a batch job, which its scheduler cancels; the pids
+        of the engines left on a lost host are kept, to stop them if it answers again."""
+        in_use = {m.engine_set for m in self.members + self.spares}
+        for member in departed:
+            if member.host in self.lost_hosts:
+                self._stale.setdefault(member.host, []).append(member.pid)
+        for set_id, host in {m.engine_set: m.host for m in departed}.items():
+            if set_id in in_use:
+                continue
+            if host in self.lost_hosts and not self.processes.launcher.node_jobs:
+                self.processes.forget_engine_set(set_id, host)
+            else:
+                self.processes.stop_engine_set(set_id)
 
     def replace(self, ranks: list[int]) -> None:
         """Kill the engines of ``ranks`` and start fresh ones (empty namespaces) in their slots."""
         dead = [self.member(r) for r in ranks]
-        for member in dead:
-            if member.host in self.lost_hosts:
-                continue
+        gone = {m.engine_id for m in dead}
+        fenced = {m.rank for m in dead if m.engine_id in self._dead_engines}  # stopped on a host that came back
+        shared = {m.engine_set for m in self.members + self.spares if m.engine_id not in gone}
+        alone = [m for m in dead if m.host not in self.lost_hosts and m.engine_set not in shared]
+        together = [m for m in dead if m.host not in self.lost_hosts and m.engine_set in shared]
+        for member in alone:
             try:
                 self.processes.cluster.signal_engines_sync(signal.SIGKILL, member.engine_set)
             except Exception:
                 pass
-        gone = {m.engine_id for m in dead}
+        if together:  # the others of its job live on: this engine alone, through its nanny
+            self.signal([m.rank for m in together], signal.SIGKILL)
         self._dead_engines |= gone  # never matched to a slot again, even while the hub still lists them
         deadline = time.monotonic() + 15
         while gone & set(self.client.ids) and time.monotonic() < deadline:
-            if set(self.gone_ranks(ranks)) | {r for r in ranks if self.on_lost_host(r)} == set(ranks):
+            if set(self.gone_ranks(ranks)) | {r for r in ranks if self.on_lost_host(r)} | fenced == set(ranks):
                 break  # their processes are gone (or their host is): no need to wait for the hub to notice
             time.sleep(0.05)
-        for member in dead:
-            if member.host in self.lost_hosts:
-                self.processes.forget_engine_set(member.engine_set, member.host)
-            else:
-                self.processes.stop_engine_set(member.engine_set)
         self.members = [m for m in self.members if m.engine_id not in gone]
+        self._end_engine_sets(dead)
         self.add_engines([self._placed_again(m.slot, dead) for m in dead])
 
     # ------------------------------------------------------------------ signals and health
@@ -453,7 +525,8 @@ class EnginePool:
         deadline = time.monotonic() + settle_s
         while True:
             registered = set(self.client.ids)
-            dead = [m.rank for m in self.members if m.engine_id not in registered or m.host in self.lost_hosts]
+            dead = [m.rank for m in self.members
+                    if m.engine_id not in registered or m.host in self.lost_hosts or m.engine_id in self._dead_engines]
             gone = self.gone_ranks(list(range(self.world_size)))
             if set(gone) <= set(dead) or time.monotonic() > deadline:
                 return sorted(set(dead) | set(gone))
@@ -466,7 +539,8 @@ class EnginePool:
         waiting in a collective was seen to send nothing for many seconds too, so silence alone
         decides nothing: a host that answers is alive. Each such host is given up for good:
         returns host -> headline (``host hostB lost (ranks 1,2): …``)."""
-        if not self.processes.launcher.probes_hosts:
+        port = self.processes.launcher.probe_port
+        if port is None:
             return {}
         by_host: dict[str, list[Member]] = {}
         for m in self.members:
@@ -483,7 +557,7 @@ class EnginePool:
             self._probed[host] = now
             ranks = ",".join(str(m.rank) for m in members)
             try:
-                with socket.create_connection((host, PROBE_PORT), timeout=PROBE_TIMEOUT_S):
+                with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
                     continue  # the host answers: its ranks are busy, not lost
             except ConnectionRefusedError:
                 how = (f"lost (ranks {ranks}): its ranks went silent and the host refuses connections (its "
@@ -548,3 +622,7 @@ class EnginePool:
         """Forget every engine (the caller stops their processes)."""
         self.client, self.members, self.spares = None, [], []
         self.pending_spares, self._identities, self._dead_engines = {}, {}, set()
+
+
+def _slot_names(slots: list[EngineSlot]) -> str:
+    return ",".join(str(slot.slot) for slot in slots)

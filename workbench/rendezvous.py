@@ -41,9 +41,13 @@ class RendezvousSpec:
 
 
 def identify() -> Identity:
-    """Who this engine is: its slot (set by the fleet at launch), pid, host and GPU."""
-    return Identity(slot=int(os.environ.get("WORKBENCH_SLOT", "-1")), pid=os.getpid(), host=hostname(),
-                    gpu=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    """Who this engine is: its slot (set by the fleet at launch), pid, host and GPU. The engines of
+    one Slurm job share ``WORKBENCH_SLOTS`` (``3,4``): each takes the one of its task (SLURM_PROCID)."""
+    if "WORKBENCH_SLOTS" in os.environ:
+        slot = int(os.environ["WORKBENCH_SLOTS"].split(",")[int(os.environ.get("SLURM_PROCID", "0"))])
+    else:
+        slot = int(os.environ.get("WORKBENCH_SLOT", "-1"))
+    return Identity(slot=slot, pid=os.getpid(), host=hostname(), gpu=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def free_port(loopback: bool = True) -> int:
