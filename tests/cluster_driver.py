@@ -249,5 +249,49 @@ def slurm() -> None:
     print(json.dumps(result))
 
 
+def attach() -> None:
+    """An ipcluster of ssh engines on hostA and hostB (not ours); the fleet attaches to 2 of them,
+    replaces hostB's rank after it died, and scales to 4."""
+    import os
+
+    import ipyparallel as ipp
+
+    ssh_args = sys.argv[2]
+    os.environ["IPYTHONDIR"] = os.path.abspath("ipython")
+    cluster = ipp.Cluster(profile="sim", cluster_id="sim", engines="ssh", controller_ip="*", log_level=40)
+    section = cluster.config.SSHEngineSetLauncher
+    section.engines = {"hostA": {"n": 1, "to_send": []}, "hostB": {"n": 1, "to_send": []}}
+    section.ssh_args = ssh_args.split()
+    section.scp_args = ssh_args.split()
+    section.remote_python = sys.executable
+    cluster.start_cluster_sync()
+    result = {}
+    try:
+        with Fleet(n=2, profile="sim", cluster_id="sim", launcher="ssh", launcher_options={"ssh_args": ssh_args},
+                   engine_timeout=90, progress=False, wandb=False, tensorboard=False,
+                   runs_dir="workbench-runs") as fleet:
+            result["where"] = [w[0] for w in fleet.run(WHERE, show_output=False)]
+            fleet.execute(SETUP, CellOptions(), show_output=False, setup=True)
+            fleet.run(TRAIN, show_output=False)
+            try:
+                fleet.run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", ranks=[1], show_output=False)
+            except Exception as exc:
+                result["died"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            fleet.recover()
+            result["where_replaced"] = [w[0] for w in fleet.run(WHERE, show_output=False)]
+            fleet.scale(4)
+            result["where_scaled"] = [w[0] for w in fleet.run(WHERE, show_output=False)]
+            fleet.run(TRAIN, show_output=False)
+            params = fleet.run(PARAMS, show_output=False)
+            result["ddp_ranks_agree"] = all(same(params[0], p) for p in params[1:])
+        client = cluster.connect_client_sync()
+        result["cluster_engines_after_stop"] = len(client.ids)  # its own 2, one of them killed: 1
+        client.close()
+    finally:
+        cluster.stop_cluster_sync()
+    print(json.dumps(result))
+
+
 if __name__ == "__main__":
-    {"placement": placement, "host_loss": host_loss, "slow_link": slow_link, "slurm": slurm}[sys.argv[1]]()
+    {"placement": placement, "host_loss": host_loss, "slow_link": slow_link, "slurm": slurm,
+     "attach": attach}[sys.argv[1]]()

@@ -222,6 +222,20 @@ def test_a_cut_off_host_is_named_and_the_others_collectives_end_with_their_state
     _nothing_left(hosts)
 
 
+def test_attached_to_an_ipcluster_across_hosts_new_engines_are_placed_by_host(hosts, tmp_path):
+    """Was: attached to an ipcluster of ssh engines, new and replacement engines all went to its
+    first host. Now a replacement takes its rank's host, and a scale-up the host with the fewest."""
+    result = _result(_start_driver(hosts, tmp_path, "attach"))
+    print(f"attached: {result}")
+    assert result["where"] == ["hostA", "hostB"]
+    assert "rank 1" in result["died"] and "died" in result["died"]
+    assert result["where_replaced"] == ["hostA", "hostB"]
+    assert result["where_scaled"] == ["hostA", "hostA", "hostB", "hostB"]
+    assert result["ddp_ranks_agree"]
+    assert result["cluster_engines_after_stop"] == 1, "only the engines the fleet added were stopped"
+    _nothing_left(hosts)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "hsdp"])
 def test_a_thin_link_is_slow_not_a_mismatch(hosts, tmp_path, strategy):
     """DDP and hsdp, 2 hosts x 2 ranks, hostB's link at 50 Mbit/s: each step's all-reduce of 25 MB

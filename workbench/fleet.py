@@ -406,9 +406,13 @@ class Fleet:
         ``hosts`` (``"hostC:2"``, ``--launcher ssh``): more hosts for the new engines."""
         with self.command():
             if hosts is not None:
-                if self.pool.hosts is None:
-                    raise OptionsError("scale --hosts adds hosts to a fleet started with --hosts (--launcher ssh)")
-                self.pool.hosts.add(Hosts.parse(hosts))
+                if self.pool.hosts is None and not self.pool.cluster_hosts:
+                    raise OptionsError("scale --hosts adds hosts to a fleet started with --hosts (--launcher ssh or "
+                                       "slurm), or attached to an ipcluster on other hosts")
+                if self.pool.hosts is None:  # attached: these hosts take the new engines
+                    self.pool.hosts = Hosts.parse(hosts)
+                else:
+                    self.pool.hosts.add(Hosts.parse(hosts))
             return elastic.scale(self, n)
 
     def recover(self, shrink: bool = False, replace: list[int] = ()) -> dict:

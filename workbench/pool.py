@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,6 +85,7 @@ class EnginePool:
         self.lost_hosts: dict[str, str] = {}  # host -> why it was given up (``host hostB lost (ranks 1,2): …``)
         self._probed: dict[str, float] = {}  # host -> when it was last asked whether it answers
         self._stale: dict[str, list[int]] = {}  # lost host -> pids of the engines left there (fenced when back)
+        self.cluster_hosts: list[str] = []  # attached to an ipcluster on other hosts: the hosts of its engines
 
     @property
     def world_size(self) -> int:
@@ -209,11 +211,25 @@ class EnginePool:
     def _free_hosts(self, count: int, leaving: list[Member]) -> list[str] | None:
         """Hosts with free slots for ``count`` engines, lost hosts and the slots of ``leaving`` aside."""
         if self.hosts is None:
-            return None
+            return self._least_loaded(count, leaving) if self.cluster_hosts else None
         try:
             return self.hosts.assign(count, self._used_hosts(leaving))
         except OptionsError:
             return None
+
+    def _least_loaded(self, count: int, leaving: list[Member]) -> list[str] | None:
+        """Attached to an ipcluster on other hosts: hosts of its engines for ``count`` more, the one
+        with the fewest engines first (lost hosts aside); None if every host is lost."""
+        load = Counter(self._used_hosts(leaving))
+        alive = [h for h in self.cluster_hosts if h not in self.lost_hosts]
+        if not alive:
+            return None
+        places = []
+        for _ in range(count):
+            host = min(alive, key=lambda h: (load[h], alive.index(h)))
+            load[host] += 1
+            places.append(host)
+        return places
 
     def _used_hosts(self, leaving: list[Member] = ()) -> list[str]:
         """A host's name once per slot taken: by a rank or spare (not ``leaving``), a spare starting,
@@ -221,6 +237,8 @@ class EnginePool:
         gone = {m.engine_id for m in leaving}
         used = [m.slot.host for m in self.members + self.spares if m.engine_id not in gone]
         used += [s.host for s in self.pending_spares.values()]
+        if self.hosts is None:
+            return used
         return used + [h for h, n in self.hosts.slots.items() if h in self.lost_hosts for _ in range(n)]
 
     def _placed_again(self, slot: EngineSlot, leaving: list[Member]) -> EngineSlot:
@@ -341,10 +359,13 @@ class EnginePool:
                 break
             time.sleep(0.1)
         self._identify_new()
+        if self.processes.launcher.remote:  # new engines go to these hosts, not all to the first
+            self.cluster_hosts = list(dict.fromkeys(info["host"] for info in self._identities.values()))
         ids = sorted(self._identities)[: len(self.slots) or None]
         for i, engine_id in enumerate(ids):
             info = self._identities[engine_id]
-            self.members.append(Member(-1, EngineSlot(i), engine_id, info["pid"], info["host"], ""))
+            host = info["host"] if self.cluster_hosts else None
+            self.members.append(Member(-1, EngineSlot(i, host=host), engine_id, info["pid"], info["host"], ""))
         self._renumber()
         self.on_new_engines(ids)
 
@@ -357,6 +378,11 @@ class EnginePool:
         if self.hosts is not None:  # ranks and spares count against their host's slots; lost hosts are full
             self.readmit_hosts()
             places = self.hosts.assign(count, self._used_hosts())
+            return [EngineSlot(first + i, host=host) for i, host in enumerate(places)]
+        if self.cluster_hosts:  # attached: the cluster's hosts, the one with the fewest engines first
+            places = self._least_loaded(count, [])
+            if places is None:
+                raise OptionsError("every host of the cluster is lost: %fleet scale N --hosts HOST:K adds one")
             return [EngineSlot(first + i, host=host) for i, host in enumerate(places)]
         if self.device_type == "cpu":
             return [EngineSlot(first + i) for i in range(count)]
@@ -480,10 +506,12 @@ class EnginePool:
         dead = [self.member(r) for r in ranks]
         gone = {m.engine_id for m in dead}
         fenced = {m.rank for m in dead if m.engine_id in self._dead_engines}  # stopped on a host that came back
-        shared = {m.engine_set for m in self.members + self.spares if m.engine_id not in gone}
+        shared = {m.engine_set for m in self.members + self.spares if m.engine_id not in gone and m.engine_set}
         alone = [m for m in dead if m.host not in self.lost_hosts and m.engine_set not in shared]
         together = [m for m in dead if m.host not in self.lost_hosts and m.engine_set in shared]
         for member in alone:
+            if not member.engine_set:  # an attached cluster's own engine: the fleet has no launcher of it
+                continue
             try:
                 self.processes.cluster.signal_engines_sync(signal.SIGKILL, member.engine_set)
             except Exception:
@@ -514,8 +542,10 @@ class EnginePool:
                 os.kill(member.pid, sig)
             except OSError:
                 pass  # gone already: the death is handled by the cell's repair
-        if remote:  # not waited for long: a dead host's nanny never confirms, and the cell's loop must go on
-            future = self.client.send_signal(sig, targets=self.engine_ids(remote), block=False)
+        registered = set(self.client.ids)
+        targets = [e for e in self.engine_ids(remote) if e in registered]  # an engine gone has no nanny left
+        if targets:  # not waited for long: a dead host's nanny never confirms, and the cell's loop must go on
+            future = self.client.send_signal(sig, targets=targets, block=False)
             concurrent.futures.wait([future], timeout=REMOTE_SIGNAL_WAIT_S)
 
     def dead_ranks(self, settle_s: float = 2.0) -> list[int]:

@@ -20,6 +20,7 @@ from . import template
 from .errors import OptionsError
 from .launchers import LauncherSpec
 from .notices import notice
+from .options import LAUNCHERS
 from .output import ProgressLine, last_line
 from .reaper import kill_all, write_pids
 
@@ -113,6 +114,11 @@ class Processes:
         try:
             self.cluster = ipp.Cluster.from_file(profile=profile or "default", cluster_id=cluster_id or "")
             self._theirs = set(self.cluster.engines)  # the cluster's own engine sets: never stopped by us
+            attached = attached_launcher(self.cluster)
+            if attached.name == self.launcher.name:  # --launcher NAME and its options: for the engines we add
+                self.launcher.configure(self.cluster)
+            else:
+                self.launcher = attached
         except Exception as exc:
             raise FleetError(f"no running cluster for profile {profile or 'default'!r} and cluster id "
                              f"{cluster_id or ''!r} ({one_line(exc)}); start one with ipcluster start") from None
@@ -317,3 +323,11 @@ def _socket_friendly_tmp() -> str:
     raise OptionsError(f"the temporary folder {usual} is too long for the fleet's Unix sockets "
                        f"({UNIX_SOCKET_PATH_MAX} bytes at most) and /tmp cannot be written: set TMPDIR to a shorter folder")
 
+
+def attached_launcher(cluster) -> LauncherSpec:
+    """The launcher of a running ipcluster's engines (ssh, slurm, ...): engines this fleet adds to it
+    are placed the same way (on a host, in a node's job) as with ``--launcher NAME``."""
+    from ipyparallel.cluster.launcher import abbreviate_launcher_class
+
+    name = abbreviate_launcher_class(cluster.engine_launcher_class)
+    return LauncherSpec(name if name in LAUNCHERS else "local")
