@@ -86,21 +86,30 @@ def _nothing_left(hosts) -> None:
 
 
 def _start_driver(hosts, tmp_path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    """tests/cluster_driver.py on hostA (the kernel's host)."""
-    return hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), args[0],
-                               " ".join(hosts.ssh_args), *args[1:]],
-                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                     env={**os.environ, **(env or {})})
+    """tests/cluster_driver.py on hostA (the kernel's host). Its stderr goes to a file: a pipe nobody
+    reads while the test waits for a line on stdout would fill up and stop the driver."""
+    err_path = tmp_path / "driver.err"
+    with open(err_path, "w") as err:
+        driver = hosts.run("hostA", [sys.executable, os.path.join(HERE, "cluster_driver.py"), args[0],
+                                     " ".join(hosts.ssh_args), *args[1:]],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=tmp_path,
+                           env={**os.environ, **(env or {})})
+    driver.err_path = err_path
+    return driver
+
+
+def _errors(driver: subprocess.Popen) -> str:
+    return driver.err_path.read_text(errors="replace")[-3000:]
 
 
 def _result(driver: subprocess.Popen) -> dict:
     """The driver's JSON line, once it ended (killed after 300 s)."""
     try:
-        out, err = driver.communicate(timeout=300)
+        out, _ = driver.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         driver.kill()
-        out, err = driver.communicate()
-    assert driver.returncode == 0, err[-3000:]
+        out, _ = driver.communicate()
+    assert driver.returncode == 0, _errors(driver)
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -152,6 +161,8 @@ def _lose_host_mid_cell(hosts, tmp_path, lose, come_back, driver=None, host="hos
             driver.stdin.flush()
         result = _result(driver)
     finally:
+        if driver.poll() is None:  # the test failed while the driver runs: it ends (its reaper ends its fleet)
+            driver.kill()
         if come_back is not None:  # not back yet
             come_back()
     return result, result["failed_at"] - lost_at
@@ -161,7 +172,7 @@ def _read_until(driver: subprocess.Popen, mark: str) -> None:
     for line in driver.stdout:
         if mark in line:
             return
-    raise AssertionError(f"the driver ended before {mark!r}: {driver.stderr.read()[-3000:]}")
+    raise AssertionError(f"the driver ended before {mark!r}: {_errors(driver)}")
 
 
 def _trained_on_after_recovery(result: dict, where: tuple[str, ...] = ("hostA", "hostB")) -> None:

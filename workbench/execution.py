@@ -98,8 +98,7 @@ class DistributedCellError(WorkbenchError):
             what = f"timed out after --timeout {timed_out:g} s"
         if self.lost and not interrupted:  # the root cause leads, not a survivor's "Connection closed"
             causes = "; ".join(dict.fromkeys(self.lost.values()))  # a lost host's ranks share one headline
-            of = "" if causes.startswith("host ") else f" of {world}"  # a host's headline names its ranks
-            super().__init__(f"{causes}{of}; the other ranks failed because of it")
+            super().__init__(f"{causes}; the other ranks failed because of it")
             return
         super().__init__(f"{what} (rank {ranks} of {world})")
 

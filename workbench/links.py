@@ -33,6 +33,13 @@ def order_cut(run_dir: str, host: str, addresses: list[str]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def route_address(peer: str) -> str:
+    """This host's address on the interface that routes to ``peer`` (OSError if none does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 9))  # UDP: chooses the route, sends nothing
+        return probe.getsockname()[0]
+
+
 def addresses_of(host: str) -> list[str]:
     try:
         return sorted({info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)})

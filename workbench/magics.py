@@ -133,6 +133,7 @@ class WorkbenchMagics(Magics):
             group, replay of the %%distributed --setup cells on every rank,
             resharded restore. Re-run the training cell to go on from workbench.step.
             New engines go to the first host with a free slot; --hosts adds hosts.
+            Attached to an ipcluster on several hosts: to its host with the fewest.
         %fleet recover [--shrink]
             After an engine died: replace it (--shrink: go on without it), rebuild
             the process group, replay the --setup cells, then give every rank the

@@ -613,24 +613,25 @@ class EnginePool:
         return [r for r in ranks if self.member(r).local and not alive(self.member(r).pid)]
 
     def loss(self, rank: int) -> tuple[str, str]:
-        """Why rank ``rank``'s engine is lost: a headline (``rank 1 died (engine 3, pid 123, SIGKILL)``)
-        and an explanation. A live process the controller lost contact with (a starved machine)
+        """Why rank ``rank``'s engine is lost: a headline that says which rank of how many
+        (``rank 1 of 2 died (engine 3, pid 123, SIGKILL)``; a lost host's names its ranks) and an
+        explanation. A live process the controller lost contact with (a starved machine)
         is never called dead."""
         m = self.member(rank)
         who = f"engine {m.engine_id}, pid {m.pid}"
         if m.host in self.lost_hosts:
             return self.lost_hosts[m.host], self.lost_hosts[m.host]
         if m.local and alive(m.pid):
-            return (f"rank {rank} lost contact ({who}, process alive)",
+            return (f"rank {rank} of {self.world_size} lost contact ({who}, process alive)",
                     f"the controller lost contact with rank {rank} ({who}): its process is alive but sent "
                     f"no heartbeat for {HUB_SILENT_S} s (the machine may be overloaded)")
         how = exit_status(self.processes, m.engine_set, m.pid)
         if how and how.startswith("exit code ") and how != "exit code 0":  # os._exit(n), or a crash's own code
             code = how.removeprefix("exit code ")
-            return (f"rank {rank} exited with code {code} ({who})",
+            return (f"rank {rank} of {self.world_size} exited with code {code} ({who})",
                     f"the engine of rank {rank} ({who}) exited with code {code} without a Python error "
                     "(os._exit, or a library that ended the process); a fresh engine takes its place")
-        return (f"rank {rank} died ({who}{', ' + how if how else ''})",
+        return (f"rank {rank} of {self.world_size} died ({who}{', ' + how if how else ''})",
                 f"the engine of rank {rank} ({who}) died{f' ({how})' if how else ''}: its process vanished without "
                 "a Python error (killed by a signal such as SIGKILL or the OOM killer, or crashed)")
 

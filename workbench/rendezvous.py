@@ -14,6 +14,7 @@ import socket
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
+from .links import route_address
 from .messages import Identity, Joined
 
 LOOPBACK = "127.0.0.1"
@@ -70,9 +71,7 @@ def host_address(peer: str | None = None) -> str:
         return LOOPBACK
     if peer:
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((peer, 9))  # UDP: chooses the route, sends nothing
-                address = probe.getsockname()[0]
+            address = route_address(peer)
             if not address.startswith("127."):
                 return address
         except OSError:

@@ -21,12 +21,12 @@ import hmac
 import json
 import os
 import secrets
-import socket
 import threading
 import time
 
 import orjson
 
+from ..links import route_address
 from ..messages import sign
 from .store import MetricsStore, json_safe
 
@@ -190,9 +190,7 @@ class MetricsCollector:
         the address of the interface that routes to ``host``."""
         if local or self.port is None:
             return self.address
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))  # UDP: chooses the route, sends nothing
-            return f"tcp://{probe.getsockname()[0]}:{self.port}"
+        return f"tcp://{route_address(host)}:{self.port}"
 
     def flush(self, timeout: float = 2.0) -> bool:
         """End of a cell: have the receiver push what it has to the sinks (bounded wait)."""
