@@ -227,7 +227,7 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
     failed_at = None
     released = killed = False
     interrupted = timed_out = False
-    last_pid_check = last_host_check = started
+    last_health_check = started
 
     def refresh(force=False):
         nonlocal shown_outputs
@@ -261,9 +261,9 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
                     if stopper is None:
                         stopper = _Stopper("failure", now)
                         failed_at = time.time()
-            if now - last_pid_check >= PID_CHECK_S:  # a dead engine whose nanny died too never answers
-                last_pid_check = now
-                for rank in fleet.pool.gone_ranks(sorted(pending)):
+            if now - last_health_check >= PID_CHECK_S:  # ranks that can never answer
+                last_health_check = now
+                for rank in fleet.pool.gone_ranks(sorted(pending)):  # a dead engine whose nanny died too
                     del pending[rank]
                     reply = CellReply(ok=False, ename="EngineError", evalue="the engine's process is gone",
                                       traceback="")
@@ -271,9 +271,9 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
                     failures.append(RankFailure(rank, reply["ename"], reply["evalue"], ""))
                     if stopper is None:
                         stopper, failed_at = _Stopper("failure", now), time.time()
-            if now - last_host_check >= PID_CHECK_S and fleet.metrics is not None:
-                last_host_check = now  # a host that died or is cut off: its ranks never answer
-                if lost_now := fleet.pool.lost_hosts_now(fleet.metrics.store, time.time()):
+                # a host that died or is cut off
+                if fleet.metrics is not None and (lost_now := fleet.pool.lost_hosts_now(fleet.metrics.store,
+                                                                                        time.time())):
                     for host in lost_now:  # the others' collectives with it end now, their state kept
                         links.order_cut(fleet.run_dir, host, links.addresses_of(host))
                     for rank in sorted(pending):

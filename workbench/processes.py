@@ -114,14 +114,14 @@ class Processes:
         try:
             self.cluster = ipp.Cluster.from_file(profile=profile or "default", cluster_id=cluster_id or "")
             self._theirs = set(self.cluster.engines)  # the cluster's own engine sets: never stopped by us
-            attached = attached_launcher(self.cluster)
-            if attached.name == self.launcher.name:  # --launcher NAME and its options: for the engines we add
-                self.launcher.configure(self.cluster)
-            else:
-                self.launcher = attached
         except Exception as exc:
             raise FleetError(f"no running cluster for profile {profile or 'default'!r} and cluster id "
                              f"{cluster_id or ''!r} ({one_line(exc)}); start one with ipcluster start") from None
+        attached = attached_launcher(self.cluster)
+        if attached.name == self.launcher.name:  # --launcher NAME and its options: for the engines we add
+            self.launcher.configure(self.cluster)
+        else:
+            self.launcher = attached
 
     def record_pids(self, engine_pids: list[int]) -> None:
         """Tell the reaper every process of this fleet, also those not registered yet (a start or
