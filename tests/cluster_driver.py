@@ -43,6 +43,21 @@ def same(a, b) -> bool:
     return all((x == y).all().item() for x, y in zip(a, b, strict=True))
 
 
+def _trains_and_round_trips(fleet, result: dict, tag: str) -> list:
+    """DDP agrees on every rank; a checkpoint restores exactly what was saved. Returns the params."""
+    fleet.execute(SETUP, CellOptions(), show_output=False, setup=True)
+    fleet.run(TRAIN, show_output=False)
+    params = fleet.run(PARAMS, show_output=False)
+    result["ddp_ranks_agree"] = all(same(params[0], p) for p in params[1:])
+    fleet.checkpoints.save(tag=tag)
+    fleet.run(TRAIN, show_output=False)
+    result["trained_on"] = not same(params[0], fleet.run(PARAMS, show_output=False)[0])
+    fleet.checkpoints.restore(tag)
+    restored = fleet.run(PARAMS, show_output=False)
+    result["restore_exact"] = all(same(a, b) for a, b in zip(params, restored, strict=True))
+    return params
+
+
 def placement() -> None:
     ssh_args, hosts, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
     result = {"kernel_host": socket.gethostname()}
@@ -52,16 +67,7 @@ def placement() -> None:
         result["start_s"] = time.monotonic() - started
         result["where"] = fleet.run(WHERE, show_output=False)
         result["status"] = status_table(status_rows(fleet.pool))
-        fleet.execute(SETUP, CellOptions(), show_output=False, setup=True)
-        fleet.run(TRAIN, show_output=False)
-        params = fleet.run(PARAMS, show_output=False)
-        result["ddp_ranks_agree"] = all(same(params[0], p) for p in params[1:])
-        fleet.checkpoints.save(tag="two-hosts")
-        fleet.run(TRAIN, show_output=False)
-        result["trained_on"] = not same(params[0], fleet.run(PARAMS, show_output=False)[0])
-        fleet.checkpoints.restore("two-hosts")
-        restored = fleet.run(PARAMS, show_output=False)
-        result["restore_exact"] = all(same(a, b) for a, b in zip(params, restored, strict=True))
+        params = _trains_and_round_trips(fleet, result, "two-hosts")
         scaled = time.monotonic()
         fleet.scale(n + 1)
         result["scale_s"] = time.monotonic() - scaled
@@ -235,15 +241,7 @@ def slurm() -> None:
         result["jobs"] = _jobs()
         jobs = fleet.run("import os; os.environ['SLURM_JOB_ID'], os.environ['SLURM_NTASKS']", show_output=False)
         result["where"] = [[*where, *job] for where, job in zip(fleet.run(WHERE, show_output=False), jobs, strict=True)]
-        fleet.execute(SETUP, CellOptions(), show_output=False, setup=True)
-        fleet.run(TRAIN, show_output=False)
-        params = fleet.run(PARAMS, show_output=False)
-        result["ddp_ranks_agree"] = all(same(params[0], p) for p in params[1:])
-        fleet.checkpoints.save(tag="slurm")
-        fleet.run(TRAIN, show_output=False)
-        fleet.checkpoints.restore("slurm")
-        restored = fleet.run(PARAMS, show_output=False)
-        result["restore_exact"] = all(same(a, b) for a, b in zip(params, restored, strict=True))
+        _trains_and_round_trips(fleet, result, "slurm")
         _lose_a_host_auto_recovered(fleet, result)
         result["jobs_after_loss"] = _jobs()
     print(json.dumps(result))

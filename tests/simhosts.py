@@ -27,9 +27,9 @@ import time
 
 SSHD = "/usr/sbin/sshd"
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
-SLURM_CONF = """ClusterName=wbsim
-SlurmctldHost={first}({first_address})
-AuthType=auth/munge
+SLURM_CONF = """ClusterName=workbench-test
+SlurmctldHost={controller}
+{ports}AuthType=auth/munge
 AuthInfo=socket={dir}/munge.sock
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -48,6 +48,20 @@ MpiDefault=none
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 """
+
+
+def slurm_conf(folder, controller: str, nodes: dict[str, str | None], ports: tuple[int, int] | None = None) -> str:
+    """slurm.conf of a test cluster (also tests/test_launchers.py's on this machine): ``controller``
+    (``host`` or ``host(address)``) runs slurmctld; each of ``nodes`` (name -> address, or None to
+    resolve the name) a slurmd; state, spool, pid and log files under ``folder``; ``ports``:
+    slurmctld's and slurmd's (default: Slurm's own)."""
+    cpus = os.cpu_count() or 1
+    lines = [f"NodeName={name}{f' NodeAddr={address}' if address else ''} CPUs={cpus} State=UNKNOWN"
+             for name, address in nodes.items()]
+    port_lines = f"SlurmctldPort={ports[0]}\nSlurmdPort={ports[1]}\n" if ports else ""
+    return SLURM_CONF.format(controller=controller, ports=port_lines, dir=folder, nodes="\n".join(lines))
+
+
 # slurmd wants the cgroup v1 hierarchies; `ip netns exec` remounts /sys, so they are mounted again in there
 CGROUPS = ("mount -t tmpfs none /sys/fs/cgroup && for c in cpu cpuacct cpuset memory devices freezer blkio pids; "
            "do mkdir -p /sys/fs/cgroup/$c && mount -t cgroup -o $c $c /sys/fs/cgroup/$c; done && "
@@ -214,11 +228,9 @@ class SimulatedHosts:
         folder = self.folder / "slurm"
         for sub in ["state", *(f"spool-{host}" for host in self.names)]:
             (folder / sub).mkdir(parents=True)
-        cpus = os.cpu_count() or 1
         self.slurm_conf = folder / "slurm.conf"
-        self.slurm_conf.write_text(SLURM_CONF.format(
-            first=self.names[0], first_address=self.addresses[self.names[0]], dir=folder,
-            nodes="\n".join(f"NodeName={h} NodeAddr={self.addresses[h]} CPUs={cpus} State=UNKNOWN" for h in self.names)))
+        self.slurm_conf.write_text(slurm_conf(folder, f"{self.names[0]}({self.addresses[self.names[0]]})",
+                                              dict(self.addresses)))
         key = folder / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)

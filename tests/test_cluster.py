@@ -304,7 +304,7 @@ def test_slurm_starts_one_job_per_node_all_or_nothing_and_names_a_lost_node(host
                                ["hostA", address, "1", "0", job_of["hostA"], "2"],
                                ["hostB", address, "0", "1", job_of["hostB"], "2"],
                                ["hostB", address, "1", "1", job_of["hostB"], "2"]]
-    assert result["ddp_ranks_agree"] and result["restore_exact"]
+    assert result["ddp_ranks_agree"] and result["trained_on"] and result["restore_exact"]
     assert noticed < 5.0, noticed
     assert result["auto_notice"] == (
         "auto-recover 1/3: host hostB lost (ranks 2,3): its ranks went silent and the host refuses connections (its "

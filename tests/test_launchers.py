@@ -11,6 +11,7 @@ import time
 
 import pytest
 from conftest import fleet_processes, wait_until_gone
+from simhosts import slurm_conf
 
 from workbench import Fleet, OptionsError
 from workbench.launchers import LauncherSpec, parse_options
@@ -172,31 +173,6 @@ def _alive(pid):
         return False
 
 
-SLURM_CONF = """ClusterName=workbench-test
-SlurmctldHost={host}
-SlurmctldPort={ctld_port}
-SlurmdPort={d_port}
-AuthType=auth/munge
-AuthInfo=socket={dir}/munge.sock
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool
-SlurmctldPidFile={dir}/slurmctld.pid
-SlurmdPidFile={dir}/slurmd.pid
-SlurmctldLogFile={dir}/slurmctld.log
-SlurmdLogFile={dir}/slurmd.log
-ReturnToService=2
-MpiDefault=none
-NodeName={host} CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
-"""
-
-
 def _free_port():
     import socket
 
@@ -212,13 +188,13 @@ def slurm(tmp_path, monkeypatch):
 
     if not all(shutil.which(t) for t in ("munged", "slurmctld", "slurmd", "sbatch")) or os.geteuid() != 0:
         pytest.skip("needs root and Debian's slurm-wlm + munge (.ci/run installs them)")
+    host = socket.gethostname()
     folder = tmp_path / "slurm"
-    for sub in ("state", "spool"):
+    for sub in ("state", f"spool-{host}"):
         (folder / sub).mkdir(parents=True)
     folder.chmod(0o700)
     conf = folder / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=socket.gethostname(), ctld_port=_free_port(), d_port=_free_port(),
-                                      dir=folder, cpus=os.cpu_count()))
+    conf.write_text(slurm_conf(folder, host, {host: None}, ports=(_free_port(), _free_port())))
     monkeypatch.setenv("SLURM_CONF", str(conf))
     key = "/etc/munge/munge.key"
     if not os.path.exists(key):
@@ -236,7 +212,7 @@ def slurm(tmp_path, monkeypatch):
         assert time.monotonic() < deadline, (folder / "slurmctld.log").read_text()[-2000:]
         time.sleep(0.5)
     yield folder
-    for daemon in ("slurmd", "slurmctld"):
+    for daemon in (f"slurmd-{host}", "slurmctld"):
         pid_file = folder / f"{daemon}.pid"
         if pid_file.exists():
             subprocess.run(["kill", pid_file.read_text().strip()], check=False)
