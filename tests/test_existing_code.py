@@ -210,9 +210,17 @@ if __name__ == "__main__":
 
 
 def _torchrun(tmp_path, script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           script, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """The reference: ``script`` under plain torchrun (2 ranks). Run again once if a rank was killed by a
+    signal: seen once in CI, rank 0 of transformers' eval script under plain torchrun (no workbench in
+    it) ended by SIGABRT, and 7 reruns here passed. The reference is not what these tests judge."""
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               script, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if "(SIGABRT)" not in done.stderr and "(SIGSEGV)" not in done.stderr:
+            return done
+        print(f"torchrun reference died by a signal, run again:\n{done.stderr[-1500:]}")
+    return done
 
 
 def _write(folder, name: str, text: str) -> str:
