@@ -57,7 +57,8 @@ def test_notebook_runs_headless(path, tmp_path):
     if path.name == "04_elastic.ipynb":
         assert "[rank 1] 2 ranks, at step 60" in text
         assert "scale 2→3: done" in text and "[rank 2] 3 ranks, shard (42, 32), at step 120" in text
-        assert "auto-recover 1/3: the engine of rank 1 died" in text
+        # the kill is seen before the cell or during it: the same words either way
+        assert re.search(r"auto-recover 1/3: rank 1 of 3 died \(engine \d+, pid \d+", text)
         assert "restored model, optimizer, rng from 'step-120' at step 120" in text
         assert "[rank 1] 3 ranks, at step 180" in text
         # a straggler (30 ms of extra work per step on rank 2) is flagged on rank 2 only, then replaced

@@ -83,7 +83,7 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
             replies.update(result.replies)
     except execution.DistributedCellError as exc:
         what = ("; ".join(dict.fromkeys(exc.lost.values())) if exc.lost  # rank 1 died (…, SIGKILL); host hostB lost (…)
-                else f"the engine of rank {','.join(map(str, exc.dead))} died" if exc.dead
+                else f"rank {','.join(map(str, exc.dead))} died" if exc.dead
                 else f"rank {','.join(map(str, exc.hung))} hung")
         if not ((exc.dead or exc.hung) and auto_recover(fleet, f"{what} during the cell", again=True)):
             raise

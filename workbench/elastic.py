@@ -244,10 +244,16 @@ def _no_slot_for_lost_ranks(fleet) -> bool:
     return False
 
 
+def loss_headlines(fleet, ranks: list[int]) -> str:
+    """One line for the ranks just lost: ``rank 1 of 3 died (engine 4, pid 123, SIGKILL)``; a lost
+    host's ranks share one headline. The same words whether the loss was seen between cells or in one."""
+    return "; ".join(dict.fromkeys(fleet.pool.loss(r)[0] for r in ranks))
+
+
 def recover_if_dead(fleet) -> None:
     """An engine that died between cells: recover (with --auto-recover) or say what to do."""
     dead = fleet.pool.dead_ranks(settle_s=0.0)
-    if not dead or auto_recover(fleet, f"the engine of rank {','.join(map(str, dead))} died"):
+    if not dead or auto_recover(fleet, loss_headlines(fleet, dead)):
         return
     causes = "; ".join(fleet.pool.loss(r)[1] for r in dead)
     raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, gives every "
