@@ -8,6 +8,7 @@ prints ``SHRUNK`` after going on without it and, once told on stdin, scales onto
 ``reboot`` it prints ``REFUSED`` after a refused recover and, once told, recovers onto it.
 ``python cluster_driver.py slurm - '<hosts>' N '<hosts with a node that never comes up>'``: the same
 through Slurm (SLURM_CONF set by the test), one job per node; prints ``CELL STARTED`` too.
+``python cluster_driver.py slurm_picks -``: Slurm without --hosts (see :func:`slurm_picks`).
 """
 
 from __future__ import annotations
@@ -191,8 +192,9 @@ def _lose_a_host_and_go_on(fleet, result: dict, reboot: bool = False) -> None:
     _trains_on(fleet, result)
 
 
-LONG_THEN_SHORT = LONG_TRAIN.replace("import time\n", "import time\nsteps, steps_to_run = steps_to_run, 5\n").replace(
-    "range(400)", "range(steps)")  # long, and short when --auto-recover runs it again
+LONG_THEN_SHORT = LONG_TRAIN.replace(
+    "import time\n", "import time\nsteps, steps_to_run = globals().get('steps_to_run', 5), 5\n").replace(
+    "range(400)", "range(steps)")  # long, and short when --auto-recover runs it again (a fresh rank: short)
 
 
 def _lose_a_host_auto_recovered(fleet, result: dict) -> None:
@@ -223,9 +225,19 @@ def _trains_on(fleet, result: dict) -> None:
     result["step_after_training"] = fleet.run("workbench.step", show_output=False)
 
 
+SLURM_OPTIONS = dict(launcher="slurm", progress=False, wandb=False, tensorboard=False, runs_dir="workbench-runs")
+SLURM_TASK = "import os; os.environ['SLURM_JOB_ID'], os.environ['SLURM_NTASKS']"
+
+
+def _where_in_jobs(fleet) -> list[list[str]]:
+    """Each rank's host, MASTER_ADDR, LOCAL_RANK, NODE_RANK, Slurm job and the job's task count."""
+    jobs = fleet.run(SLURM_TASK, show_output=False)
+    return [[*where, *job] for where, job in zip(fleet.run(WHERE, show_output=False), jobs, strict=True)]
+
+
 def slurm() -> None:
     hosts, n, never_up = sys.argv[3], int(sys.argv[4]), sys.argv[5]
-    options = dict(launcher="slurm", progress=False, wandb=False, tensorboard=False, runs_dir="workbench-runs")
+    options = SLURM_OPTIONS
     result = {}
     started = time.monotonic()
     try:  # all or nothing: one node's job never starts
@@ -239,10 +251,28 @@ def slurm() -> None:
     with Fleet(n=n, hosts=hosts, engine_timeout=90, auto_recover=True, **options) as fleet:
         result["start_s"] = time.monotonic() - started
         result["jobs"] = _jobs()
-        jobs = fleet.run("import os; os.environ['SLURM_JOB_ID'], os.environ['SLURM_NTASKS']", show_output=False)
-        result["where"] = [[*where, *job] for where, job in zip(fleet.run(WHERE, show_output=False), jobs, strict=True)]
+        result["where"] = _where_in_jobs(fleet)
         _trains_and_round_trips(fleet, result, "slurm")
         _lose_a_host_auto_recovered(fleet, result)
+        result["jobs_after_loss"] = _jobs()
+    print(json.dumps(result))
+
+
+def slurm_picks() -> None:
+    """Without --hosts: Slurm picks the nodes, one job of a node's size (sinfo) each. Prints
+    ``LOSE <host>`` (the last rank's node) and waits for a line on stdin (the test makes a node
+    free for the replacement), then loses that host mid-cell like :func:`slurm`."""
+    result = {}
+    started = time.monotonic()
+    with Fleet(n=4, engine_timeout=90, auto_recover=True, **SLURM_OPTIONS) as fleet:
+        result["start_s"] = time.monotonic() - started
+        result["jobs"] = _jobs()
+        result["where"] = _where_in_jobs(fleet)
+        _trains_and_round_trips(fleet, result, "slurm")
+        print("LOSE", fleet.members[-1].host, flush=True)
+        sys.stdin.readline()
+        _lose_a_host_auto_recovered(fleet, result)
+        result["where_recovered"] = _where_in_jobs(fleet)
         result["jobs_after_loss"] = _jobs()
     print(json.dumps(result))
 
@@ -292,4 +322,4 @@ def attach() -> None:
 
 if __name__ == "__main__":
     {"placement": placement, "host_loss": host_loss, "slow_link": slow_link, "slurm": slurm,
-     "attach": attach}[sys.argv[1]]()
+     "slurm_picks": slurm_picks, "attach": attach}[sys.argv[1]]()

@@ -46,20 +46,23 @@ SlurmdLogFile={dir}/slurmd-%n.log
 ReturnToService=2
 MpiDefault=none
 {nodes}
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe={oversubscribe}
 """
 
 
-def slurm_conf(folder, controller: str, nodes: dict[str, str | None], ports: tuple[int, int] | None = None) -> str:
+def slurm_conf(folder, controller: str, nodes: dict[str, str | None], ports: tuple[int, int] | None = None,
+               cpus: int | None = None, oversubscribe: str = "FORCE") -> str:
     """slurm.conf of a test cluster (also tests/test_launchers.py's on this machine): ``controller``
     (``host`` or ``host(address)``) runs slurmctld; each of ``nodes`` (name -> address, or None to
-    resolve the name) a slurmd; state, spool, pid and log files under ``folder``; ``ports``:
-    slurmctld's and slurmd's (default: Slurm's own)."""
-    cpus = os.cpu_count() or 1
+    resolve the name) a slurmd with ``cpus`` CPUs (default this machine's); state, spool, pid and
+    log files under ``folder``; ``ports``: slurmctld's and slurmd's (default: Slurm's own);
+    ``oversubscribe``: the partition's (FORCE: jobs share CPUs, NO: a full node takes no job)."""
+    cpus = cpus or os.cpu_count() or 1
     lines = [f"NodeName={name}{f' NodeAddr={address}' if address else ''} CPUs={cpus} State=UNKNOWN"
              for name, address in nodes.items()]
     port_lines = f"SlurmctldPort={ports[0]}\nSlurmdPort={ports[1]}\n" if ports else ""
-    return SLURM_CONF.format(controller=controller, ports=port_lines, dir=folder, nodes="\n".join(lines))
+    return SLURM_CONF.format(controller=controller, ports=port_lines, dir=folder, nodes="\n".join(lines),
+                             oversubscribe=oversubscribe)
 
 
 # slurmd wants the cgroup v1 hierarchies; `ip netns exec` remounts /sys, so they are mounted again in there
@@ -84,6 +87,15 @@ def can_simulate() -> str | None:
         return f"network namespaces cannot be made here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def cmdline(pid: int, gone: str = "") -> str:
+    """The command line of process ``pid`` (``gone`` if it ended meanwhile)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return gone
 
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -230,25 +242,41 @@ class SimulatedHosts:
             (folder / sub).mkdir(parents=True)
         self.slurm_conf = folder / "slurm.conf"
         self.slurm_conf.write_text(slurm_conf(folder, f"{self.names[0]}({self.addresses[self.names[0]]})",
-                                              dict(self.addresses)))
+                                              dict(self.addresses), cpus=2, oversubscribe="NO"))  # 2 ranks fill a node
         key = folder / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         _sh("munged", "--force", "-S", str(folder / "munge.sock"), f"--key-file={key}",
             f"--log-file={folder / 'munged.log'}", f"--pid-file={folder / 'munged.pid'}",
             f"--seed-file={folder / 'munged.seed'}")
-        env = {**os.environ, "SLURM_CONF": str(self.slurm_conf)}
-        log = open(folder / "daemons.log", "w")
-        self.run(self.names[0], ["slurmctld", "-D"], env=env, stdout=log, stderr=log)
-        for host in nodes:
-            self.run(host, ["sh", "-c", CGROUPS, "sh", "slurmd", "-D", "-N", host], env=env, stdout=log, stderr=log)
+        with open(folder / "daemons.log", "w") as log:
+            self.run(self.names[0], ["slurmctld", "-D"], env=self._slurm_env(), stdout=log, stderr=log)
+        self.start_slurmd(nodes, timeout)
+        return self.slurm_conf
+
+    def _slurm_env(self) -> dict:
+        return {**os.environ, "SLURM_CONF": str(self.slurm_conf)}
+
+    def slurm(self, *argv: str) -> str:
+        """A Slurm client command (``scontrol``, ``sinfo``) on the first host; its stdout."""
+        return subprocess.run(["ip", "netns", "exec", self.namespace(self.names[0]), *argv], capture_output=True,
+                              text=True, env=self._slurm_env()).stdout
+
+    def start_slurmd(self, nodes: list[str], timeout: float = 60.0) -> None:
+        """slurmd on each of ``nodes`` where none runs (a killed host's is gone); returns once
+        Slurm calls them all idle."""
+        folder = self.slurm_conf.parent
+        with open(folder / "daemons.log", "a") as log:
+            for host in nodes:
+                if not any("slurmd" in cmdline(pid) for pid in self.pids(host)):
+                    self.run(host, ["sh", "-c", CGROUPS, "sh", "slurmd", "-D", "-N", host], env=self._slurm_env(),
+                             stdout=log, stderr=log)
         deadline = time.monotonic() + timeout
         while True:
-            done = subprocess.run(["ip", "netns", "exec", self.namespace(self.names[0]), "sinfo", "-h", "-N", "-o",
-                                   "%N %T"], capture_output=True, text=True, env=env)
-            states = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
+            out = self.slurm("sinfo", "-h", "-N", "-o", "%N %T")
+            states = dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
             if all(states.get(host) == "idle" for host in nodes):
-                return self.slurm_conf
+                return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Slurm nodes not idle after {timeout:.0f} s: {states} "
                                    f"{(folder / 'daemons.log').read_text()[-1000:]}")

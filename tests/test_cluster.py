@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from simhosts import SimulatedHosts, can_simulate
+from simhosts import SimulatedHosts, can_simulate, cmdline
 
 from workbench import FleetOptions
 from workbench.errors import OptionsError
@@ -70,10 +70,7 @@ def _others(hosts, host) -> list[int]:
 
 
 def _cmdline(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "sshd"  # gone meanwhile: counts as nothing left
+    return cmdline(pid, gone="sshd")  # gone meanwhile: counts as nothing left
 
 
 def _nothing_left(hosts) -> None:
@@ -168,10 +165,10 @@ def _lose_host_mid_cell(hosts, tmp_path, lose, come_back, driver=None, host="hos
     return result, result["failed_at"] - lost_at
 
 
-def _read_until(driver: subprocess.Popen, mark: str) -> None:
+def _read_until(driver: subprocess.Popen, mark: str) -> str:
     for line in driver.stdout:
         if mark in line:
-            return
+            return line
     raise AssertionError(f"the driver ended before {mark!r}: {_errors(driver)}")
 
 
@@ -313,4 +310,55 @@ def test_slurm_starts_one_job_per_node_all_or_nothing_and_names_a_lost_node(host
     _trained_on_after_recovery(result, ("hostA", "hostA"))
     after = {job: state for job, _, state in (j.split() for j in result["jobs_after_loss"] if len(j.split()) == 3)}
     assert after.get(job_of["hostA"]) == "RUNNING" and after.get(job_of["hostB"]) != "RUNNING", result["jobs_after_loss"]
+    _nothing_left(hosts)
+
+
+def test_slurm_without_hosts_starts_one_job_per_node_it_picks_and_replaces_a_lost_node_elsewhere(hosts, slurm_conf,
+                                                                                                  tmp_path):
+    """--launcher slurm -n 4 without --hosts: Slurm picks the nodes, one job a node, as many tasks
+    as sinfo says a node has CPUs (2 here), each job taking its node whole (hostA, the kernel's
+    host, is drained, so the jobs go to hostB and hostC). The last rank's node killed mid-cell with
+    --auto-recover: named within 5 s, the other node's job and ranks kept, and a job for the lost
+    ranks goes to the node made free meanwhile (hostA), never the lost one."""
+    hosts.start_slurmd(["hostA", "hostB", "hostC"])  # an earlier test's lost host has no slurmd
+    hosts.slurm("scontrol", "update", "nodename=hostA", "state=drain", "reason=kernel")
+    driver = _start_driver(hosts, tmp_path, "slurm_picks", env={"SLURM_CONF": str(slurm_conf)})
+    lost = None
+    try:
+        lost = _read_until(driver, "LOSE").split()[-1]
+        hosts.slurm("scontrol", "update", "nodename=hostA", "state=resume")
+        driver.stdin.write("go\n")
+        driver.stdin.flush()
+        _read_until(driver, "CELL STARTED")
+        time.sleep(2.0)
+        lost_at = time.time()
+        hosts.kill_host(lost)
+        result = _result(driver)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        hosts.slurm("scontrol", "update", "nodename=hostA", "state=resume")
+        if lost is not None:
+            _restart_sshd(hosts, lost)
+    noticed = result["failed_at"] - lost_at
+    print(f"slurm without --hosts: 4 ranks in {result['start_s']:.1f} s: {result['jobs']}; {lost} killed: "
+          f"auto-recover began after {noticed:.1f} s: {result['auto_notice']}; then {result['where_recovered']}")
+    jobs = [job.split() for job in result["jobs"]]
+    assert sorted(node for _, node, _ in jobs) == ["hostB", "hostC"] and all(s == "RUNNING" for *_, s in jobs), jobs
+    job_of = {node: job for job, node, _ in jobs}
+    first, second = result["where"][0][0], result["where"][2][0]
+    assert {first, second} == {"hostB", "hostC"} and lost == second
+    # a node's ranks are consecutive, one job of 2 tasks each, LOCAL_RANK and NODE_RANK as torchrun's
+    assert [[w[0], w[2], w[3], w[4], w[5]] for w in result["where"]] == [
+        [first, "0", "0", job_of[first], "2"], [first, "1", "0", job_of[first], "2"],
+        [second, "0", "1", job_of[second], "2"], [second, "1", "1", job_of[second], "2"]]
+    assert result["ddp_ranks_agree"] and result["trained_on"] and result["restore_exact"]
+    assert noticed < 5.0, noticed
+    assert result["auto_notice"].startswith(f"auto-recover 1/3: host {lost} lost (ranks 2,3): "), result["auto_notice"]
+    assert "without the lost host's ranks" not in result["auto_notice"]
+    _trained_on_after_recovery(result, (first, first, "hostA", "hostA"))  # from the survivors' live replica
+    replaced = result["where_recovered"]
+    assert replaced[0][4] == job_of[first] and replaced[2][4] == replaced[3][4] != job_of[lost], replaced
+    after = {job: state for job, _, state in (j.split() for j in result["jobs_after_loss"] if len(j.split()) == 3)}
+    assert after.get(job_of[first]) == "RUNNING" and after.get(job_of[lost]) != "RUNNING", result["jobs_after_loss"]
     _nothing_left(hosts)

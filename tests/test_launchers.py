@@ -66,6 +66,42 @@ def test_launcher_options_are_checked_against_ipyparallel():
         Fleet(n=2, launcher="slurm", gpus="0,1")
 
 
+def test_slurm_picking_the_nodes_sizes_a_job_by_a_nodes_gpus_from_sinfo(tmp_path, monkeypatch):
+    """Without --hosts, a job has a node's GPUs as sinfo reports them (the smallest node), each task
+    one GPU of it, else a node's CPUs; a lost node is excluded. ``sinfo`` is a script here: a GPU
+    node cannot exist on this machine. The real Slurm runs in test_cluster and the tests below."""
+    from workbench.devices import EngineSlot
+    from workbench.launchers import slurm_node_size
+
+    (tmp_path / "sinfo").write_text("#!/bin/sh\necho '96 gpu:h100:8(S:0-1)'\necho '64 gpu:4,tmp:100'\n")
+    (tmp_path / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    slurm_node_size.cache_clear()
+    try:
+        spec = LauncherSpec("slurm")
+        assert spec.ranks_per_node() == 4
+        kwargs = spec.engine_set_kwargs([EngineSlot(0), EngineSlot(1)], avoid=["nodeB", "nodeA"])
+        assert kwargs["submit_command"] == ["sbatch", "--nodes=1", "--exclude=nodeA,nodeB", "--gres=gpu:2"]
+        assert LauncherSpec("slurm", per_node=2).ranks_per_node() == 2
+        assert LauncherSpec("slurm").engine_set_kwargs([EngineSlot(0, host="nodeC")])["submit_command"] == [
+            "sbatch", "--nodes=1", "--nodelist=nodeC"]
+        (tmp_path / "sinfo").write_text("#!/bin/sh\necho '16 (null)'\necho '32 (null)'\n")
+        slurm_node_size.cache_clear()
+        assert slurm_node_size(None) == (16, 0)
+        (tmp_path / "sinfo").write_text("#!/bin/sh\n")
+        slurm_node_size.cache_clear()
+        with pytest.raises(OptionsError, match="sinfo lists no node in partition gpu; give --ranks-per-node K"):
+            slurm_node_size("gpu")
+    finally:
+        slurm_node_size.cache_clear()
+    with pytest.raises(OptionsError, match="--ranks-per-node sizes the jobs of --launcher slurm"):
+        Fleet(n=4, launcher="slurm", hosts="a:2,b:2", ranks_per_node=2)
+    with pytest.raises(OptionsError, match="--ranks-per-node sizes the jobs"):
+        Fleet(n=4, launcher="ssh", ranks_per_node=2)
+    with pytest.raises(OptionsError, match="--ranks-per-node"):
+        Fleet(n=4, launcher="slurm", ranks_per_node=0)
+
+
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no MPI here (.ci/run installs openmpi-bin)")
 def test_mpi_launcher_runs_a_ddp_cell_and_leaves_nothing():
     before = {p.pid for p in fleet_processes()}

@@ -73,7 +73,8 @@ class Fleet:
     def __init__(self, n: int | None = None, *, options: FleetOptions | None = None, **kwargs: Any) -> None:
         self.options = options = FleetOptions.build(n, options, kwargs)
         gpus = parse_gpu_list(options.gpus) if isinstance(options.gpus, str) else options.gpus
-        self.launcher = LauncherSpec(options.launcher, options.batch_options(), options.launcher_config)
+        self.launcher = LauncherSpec(options.launcher, options.batch_options(), options.launcher_config,
+                                     options.ranks_per_node)
         self.attached = options.attached  # an ipcluster that is not ours
         self.record: RunRecord | None = None  # <run>/run.json
         self.parked: Parked | None = None  # %fleet park: no engines until the next command
@@ -186,6 +187,8 @@ class Fleet:
         self.stop_requested.clear()
         if self.options.checkpoint_dir is not None:
             checkpoint_storage.store_for(self.options.checkpoint_dir).prepare(self.options.checkpoint_dir)
+        if self.launcher.node_jobs and self.pool.hosts is None and not self.attached:
+            self.launcher.ranks_per_node()  # asks sinfo now: a cluster it cannot size fails before anything starts
         started = time.monotonic()
         progress = ProgressLine(self.progress)
         try:

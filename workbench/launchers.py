@@ -7,8 +7,10 @@ option ipyparallel knows passes through by name; ``--launcher-config FILE``
 loads a traitlets config file (``c.SlurmEngineSetLauncher.timelimit = ...``).
 Each rank is its own engine set (one ``mpiexec -n 1``, one ssh command), so a rank
 can be replaced or added alone; except with Slurm, where a node's ranks start
-together as one job (``--nodes=1 --nodelist=HOST``, one task per rank), so a node
-comes up whole or not at all, and a rank of it is stopped alone through its nanny.
+together as one job (``--nodes=1``, one task per rank: on the node ``--hosts`` names,
+else on a node Slurm picks, ``--ranks-per-node`` or a node's GPUs or CPUs a job), so a
+node comes up whole or not at all, a lost node ends only its own job, and a rank of it
+is stopped alone through its nanny.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shlex
 import socket
 import sys
@@ -47,6 +50,7 @@ class LauncherSpec:
     name: str = "local"
     options: dict = field(default_factory=dict)
     config_file: str | None = None
+    per_node: int | None = None  # --ranks-per-node: Slurm without --hosts
 
     def __post_init__(self) -> None:
         if self.name not in LAUNCHERS:
@@ -101,19 +105,28 @@ class LauncherSpec:
                                f"{', '.join(sorted(known))}")
         return trait
 
-    def engine_set_kwargs(self, slots: list) -> dict:
+    def ranks_per_node(self) -> int:
+        """How many ranks one node's job starts when Slurm picks the nodes: ``--ranks-per-node``,
+        else what a node of the partition has (:func:`slurm_node_size`)."""
+        return self.per_node if self.per_node is not None else slurm_node_size(self.traits.get("queue"))[0]
+
+    def engine_set_kwargs(self, slots: list, avoid: list[str] = ()) -> dict:
         """Traits of the engine set of ``slots`` (one rank's, or one node's with Slurm): with
-        ``--hosts``, the host its engines start on."""
+        ``--hosts``, the host its engines start on; ``avoid``: lost hosts Slurm must not pick."""
         host = slots[0].host
         if self.name == "ssh" and host is not None:
             # a shared filesystem: the connection files are already there (scp onto the same path would
             # truncate them)
             return {"engines": {host: {"n": 1, "to_send": []}}}
         if self.name == "slurm":
-            # sbatch's own flags beside the batch script's: one node (the named one), and a job that is
-            # not ended when one of its nodes fails (without --hosts, Slurm spreads the tasks)
-            where = ["--nodes=1", f"--nodelist={host}"] if host is not None else ["--no-kill"]
-            return {"submit_command": [*self.submit_command, *where]}
+            # sbatch's own flags beside the batch script's: one node, the named one, or one Slurm picks
+            # (never a lost one); a job of a node's size fills it, so the next job goes to another node
+            where = [f"--nodelist={host}"] if host is not None else []
+            if host is None and avoid:
+                where.append(f"--exclude={','.join(sorted(avoid))}")
+            if host is None and (gpus := slurm_node_size(self.traits.get("queue"))[1]):
+                where.append(f"--gres=gpu:{min(gpus, len(slots))}")  # one GPU a task, as their local rank picks
+            return {"submit_command": [*self.submit_command, "--nodes=1", *where]}
         return {}
 
     def fence(self, host: str, pids: list[int]) -> None:
@@ -181,6 +194,29 @@ class LauncherSpec:
         if self.name == "mpi" and os.geteuid() == 0:
             return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
         return {}
+
+
+@functools.cache
+def slurm_node_size(partition: str | None) -> tuple[int, int]:
+    """(ranks, GPUs) of a node of ``partition`` (the default one if None), from ``sinfo``: its
+    GPUs (gres ``gpu:8``, ``gpu:a100:8(S:0-1)``), else its CPUs; the smallest node counts."""
+    import subprocess
+
+    argv = ["sinfo", "-h", "-N", "-o", "%c %G", *(["-p", partition] if partition else [])]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=15).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise OptionsError(f"sinfo could not say how big a Slurm node is ({exc}); give --ranks-per-node K") from None
+    sizes = []
+    for line in out.splitlines():
+        cpus, _, gres = line.partition(" ")
+        gpus = sum(int(m) for m in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", gres))
+        if cpus.isdigit():
+            sizes.append((gpus or int(cpus), gpus))
+    if not sizes:
+        raise OptionsError(f"sinfo lists no node{f' in partition {partition}' if partition else ''}; give "
+                           "--ranks-per-node K")
+    return min(sizes)
 
 
 def _slurmd_port() -> int:

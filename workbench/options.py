@@ -284,6 +284,9 @@ class FleetOptions:
     slots); Slurm starts each host's ranks as one job"""
     hostfile: str | None = flag(None, metavar="FILE")
     """like --hosts, from a file: one 'HOST slots=N' (or HOST:N) a line"""
+    ranks_per_node: int | None = flag(None, metavar="K")
+    """with --launcher slurm and no --hosts: K ranks in each node's job (default: a node's GPUs, as sinfo
+    reports them, else its CPUs); Slurm picks the nodes, never a lost one"""
     master_addr: str | None = flag(None, metavar="ADDR")
     """the address the other ranks reach rank 0 at (default: rank 0's address on the interface that reaches
     the other hosts)"""
@@ -363,6 +366,11 @@ class FleetOptions:
                 return replace(self, n=hosts.total).validate()
             if self.n > hosts.total:
                 raise OptionsError(f"-n {self.n} needs {self.n} slots but the hosts have {hosts.total} ({hosts})")
+        if self.ranks_per_node is not None:
+            if self.launcher != "slurm" or hosts is not None:
+                raise OptionsError("--ranks-per-node sizes the jobs of --launcher slurm when Slurm picks the nodes "
+                                   "(without --hosts, which says the ranks of each host)")
+            _whole(self.ranks_per_node, "--ranks-per-node", 1)
         if self.launcher != "local" or self.attached:
             if self.gpus:
                 raise OptionsError("--gpus picks GPUs of this machine; with a cluster launcher the scheduler "

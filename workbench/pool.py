@@ -134,7 +134,11 @@ class EnginePool:
         by_host: dict[str | None, list[EngineSlot]] = {}
         for slot in slots:
             by_host.setdefault(slot.host, []).append(slot)
-        return {self.launch(group): group for group in by_host.values()}
+        jobs = [group for host, group in by_host.items() if host is not None]
+        anywhere = by_host.get(None, [])  # Slurm picks the nodes: --ranks-per-node of them a job
+        size = self.processes.launcher.ranks_per_node() if anywhere else 1
+        jobs += [anywhere[i:i + size] for i in range(0, len(anywhere), size)]
+        return {self.launch(group): group for group in jobs}
 
     def launch(self, slots: list[EngineSlot]) -> str:
         """Start the engines of ``slots`` as one engine set; returns its id (they register later)."""
@@ -156,8 +160,9 @@ class EnginePool:
         self._set_counter += 1
         set_id = f"slot{first.slot}-{self._set_counter}"
         try:
-            self.processes.cluster.start_engines_sync(n=len(slots), engine_set_id=set_id, environment=env,
-                                                      **self.processes.launcher.engine_set_kwargs(slots))
+            self.processes.cluster.start_engines_sync(
+                n=len(slots), engine_set_id=set_id, environment=env,
+                **self.processes.launcher.engine_set_kwargs(slots, avoid=list(self.lost_hosts)))
         except BaseException:  # an interrupt half-way: no engine nobody knows of may come up later
             try:
                 self.processes.stop_engine_set(set_id)
@@ -208,10 +213,12 @@ class EnginePool:
                    f"{','.join(map(str, stale)) or 'none'}); its slots take new engines")
         return back
 
-    def _free_hosts(self, count: int, leaving: list[Member]) -> list[str] | None:
+    def _free_hosts(self, count: int, leaving: list[Member]) -> list[str | None] | None:
         """Hosts with free slots for ``count`` engines, lost hosts and the slots of ``leaving`` aside."""
-        if self.hosts is None:
-            return self._least_loaded(count, leaving) if self.cluster_hosts else None
+        if self.hosts is None and self.cluster_hosts:
+            return self._least_loaded(count, leaving)
+        if self.hosts is None:  # Slurm picks a node that is not lost; other launchers cannot move a rank
+            return [None] * count if self.processes.launcher.node_jobs else None
         try:
             return self.hosts.assign(count, self._used_hosts(leaving))
         except OptionsError:
