@@ -94,6 +94,8 @@ def test_slurm_picking_the_nodes_sizes_a_job_by_a_nodes_gpus_from_sinfo(tmp_path
             slurm_node_size("gpu")
     finally:
         slurm_node_size.cache_clear()
+    gpu_fleet = Fleet(n=2, launcher="slurm", backend="nccl", progress=False)  # not started
+    assert gpu_fleet.pool.new_slots(2) == [EngineSlot(0), EngineSlot(1)], "the scheduler gives the GPUs"
     with pytest.raises(OptionsError, match="--ranks-per-node sizes the jobs of --launcher slurm"):
         Fleet(n=4, launcher="slurm", hosts="a:2,b:2", ranks_per_node=2)
     with pytest.raises(OptionsError, match="--ranks-per-node sizes the jobs"):
