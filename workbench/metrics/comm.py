@@ -40,14 +40,19 @@ class CommClock:
         """Seconds covered by the intervals finished since the last call; None when a DDP
         model's figure was read less than ``DDP_READ_EVERY_S`` ago (steps that short get
         it every few steps: the reading would cost them more than 1 %)."""
-        if self._ddp and now - self._ddp_read_at < DDP_READ_EVERY_S:
+        if not self._ddp:  # the common case on a step without DDP: nothing to read but the intervals
+            return _union(self._take_done()) if self._done else 0.0
+        if now - self._ddp_read_at < DDP_READ_EVERY_S:
             self._done.clear()
             return None
+        self._ddp_read_at = now
+        return _union(self._take_done()) + self._take_ddp()
+
+    def _take_done(self) -> list:
         intervals = []
         while self._done:
             intervals.append(self._done.popleft())
-        self._ddp_read_at = now
-        return _union(intervals) + self._take_ddp()
+        return intervals
 
     def restart(self) -> None:
         """Forget what ran so far (a new cell, the end of a trial); the next step reads DDP's figure."""

@@ -160,14 +160,13 @@ class MetricsLogger:
 
     def _measure(self, scalars: dict) -> dict:
         now = time.perf_counter()
-        interval = max(now - self._interval_start, 1e-9)
-        system = {"step_time_s": interval}
+        interval = now - self._interval_start or 1e-9
         comm = self.comm.take(now)
-        if comm is not None:
-            system["comm_s"] = comm
+        system = {"step_time_s": interval} if comm is None else {"step_time_s": interval, "comm_s": comm}
         if self._samples:
             system["samples_per_s"] = self._samples / interval
-        self._add_rates(system, scalars)
+        if "samples" in scalars or "tokens" in scalars:
+            self._add_rates(system, scalars)
         self._interval_start, self._samples = now, 0
         return system
 
@@ -202,17 +201,19 @@ class MetricsLogger:
             # the step in flight; with no training since the last record (a loop that only logs),
             # the step after the last record's, so such records stay apart and in order
             step = self.step if self._trained_since_record or not self.optimizer_driven else self._last_label + 1
+        else:
+            step = int(step)
         if not self.optimizer_driven:  # no optimizer: each record is a step
-            self.step = int(step) + 1
-        self._last_label, self._trained_since_record = int(step), False
+            self.step = step + 1
+        self._last_label, self._trained_since_record = step, False
         self.seq += 1
         self.activity += 1
-        record = (time.time(), self.seq, int(step), scalars, system)
+        buffer = self._buffer
         with self._lock:
-            if len(self._buffer) >= MAX_BUFFERED:
-                self._buffer.popleft()
+            if len(buffer) >= MAX_BUFFERED:
+                buffer.popleft()
                 self.dropped += 1
-            self._buffer.append(record)
+            buffer.append((time.time(), self.seq, step, scalars, system))
 
     # ------------------------------------------------------------ sender
     def attach(self, address: str, key: str) -> None:
