@@ -18,19 +18,55 @@ from workbench import Fleet
 
 # run folders (metrics, checkpoints, wandb) of every fleet the tests start, kernels' included
 os.environ.setdefault("WORKBENCH_RUNS_DIR", tempfile.mkdtemp(prefix="workbench-test-runs-"))
+# every process this test session starts inherits it (kernels, servers, launchers, their engines): the
+# leftover checks count those only, not another session's fleet on the same machine
+SESSION = os.environ.setdefault("WORKBENCH_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
+# fixtures that start engines, a kernel, a server, a browser or simulated hosts: a test using one is in
+# the slow tier (marked ``fleet``); a test that starts one itself carries @pytest.mark.fleet
+SLOW_FIXTURES = {"fleet", "kernel", "elastic", "three_ranks", "four", "hosts", "slurm_conf", "lab", "page",
+                 "trained_run", "server", "ipcluster", "slurm", "s3", "s3_fleet", "panel", "torchrun_reference",
+                 "tuned_fleet"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.fleet)
+
+
+@pytest.fixture(autouse=True)
+def _the_fast_tier_starts_no_fleet(request, monkeypatch):
+    """A test not marked ``fleet`` that starts a fleet's processes fails, naming the marker it lacks
+    (one refused before anything starts is fast, and stays in the fast tier)."""
+    if request.node.get_closest_marker("fleet") is None:
+        from workbench.processes import Processes
+
+        def refuse(self, *args, **kwargs):
+            raise AssertionError("this test starts a fleet: mark it @pytest.mark.fleet (the slow tier)")
+
+        monkeypatch.setattr(Processes, "start_controller", refuse)
+        monkeypatch.setattr(Processes, "connect", refuse)
 
 IPP_MARKERS = ("ipyparallel", "ipengine", "ipcontroller", "workbench.reaper", "workbench.template",
                "workbench.checkpoint.writer")
 
 
 def fleet_processes() -> list[psutil.Process]:
-    """Every engine, nanny, controller or reaper process on this machine."""
+    """Every engine, nanny, controller or reaper process this test session started."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if any(m in cmd for m in IPP_MARKERS) and proc.pid != os.getpid():
+        if any(m in cmd for m in IPP_MARKERS) and proc.pid != os.getpid() and started_here(proc):
             found.append(proc)
     return found
+
+
+def started_here(proc: psutil.Process) -> bool:
+    """``proc`` was started by this test session (it carries its WORKBENCH_TEST_SESSION)."""
+    try:
+        return proc.environ().get("WORKBENCH_TEST_SESSION") == SESSION
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def free_port() -> int:

@@ -11,6 +11,8 @@ import sys
 import pytest
 from conftest import fleet_processes
 
+pytestmark = pytest.mark.fleet  # engines, kernels or installs: the slow tier
+
 REPO = pathlib.Path(__file__).parent.parent
 
 

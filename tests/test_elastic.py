@@ -41,12 +41,12 @@ def _equal(a, b):
 
 @contextlib.contextmanager
 def hang_timeout(fleet, seconds: float):
-    """Run with ``fleet.hang_timeout = seconds``; back to the default afterwards."""
-    fleet.hang_timeout = seconds
+    """Run with ``fleet.hang_timeout = seconds``; back to what it was afterwards."""
+    before, fleet.hang_timeout = fleet.hang_timeout, seconds
     try:
         yield
     finally:
-        fleet.hang_timeout = 300.0
+        fleet.hang_timeout = before
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ import pytest
 from workbench import Fleet, FleetError
 from workbench.execution import DistributedCellError
 
+pytestmark = pytest.mark.fleet  # engines, kernels or installs: the slow tier
+
 # pytorch/examples distributed/ddp-tutorial-series/multigpu_torchrun.py, as a CPU user runs it
 # (gloo instead of nccl, no device ids) with a seed so that both runs see the same data
 DDP_TUTORIAL = '''

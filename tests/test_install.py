@@ -11,8 +11,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 
 import pytest
+
+pytestmark = pytest.mark.fleet  # engines, kernels or installs: the slow tier
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -63,6 +66,13 @@ def test_sdist_and_wheel_build_and_install_without_node(tmp_path):
     assert probe.returncode == 0, probe.stderr[-3000:]
     where, version = probe.stdout.split()
     assert where.startswith(str(venv)) and version == "0.1.0", probe.stdout  # the wheel, not this checkout
+    package = pathlib.Path(where).parent
+    assert (package / "py.typed").is_file() and not (package / "testing.py").exists(), "typed; no fault injection"
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        meta = wheel.read(next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        assert any(".dist-info/" in n and n.endswith("LICENSE") for n in wheel.namelist()), wheel.namelist()
+    assert "Classifier: License :: OSI Approved :: BSD License" in meta and "Provides-Extra: wandb" in meta
+    assert not any(line.startswith("Requires-Dist: wandb") and "extra" not in line for line in meta.splitlines())
     listing = subprocess.run([str(bin_dir / "python"), "-c", "import sys; from jupyterlab.labextensions import main; "
                               "sys.argv = ['jupyter-labextension', 'list']; main()"], cwd=tmp_path,
                              env=env, capture_output=True, text=True)

@@ -28,7 +28,8 @@ ARTIFACTS = pathlib.Path(__file__).parent / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.skipif(CHROMIUM is None, reason="no chromium here: apt-get install -y chromium (.ci/run does)")]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def lab(tmp_path_factory):
          "--LabApp.expose_app_in_browser=True"],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
     url = f"http://127.0.0.1:{port}"
+    ARTIFACTS.mkdir(exist_ok=True)  # screenshots and the server's log, kept for a failure (not in a clone)
     wait_for_jupyter(url, token, proc, (root / "lab.log").read_text)
     yield url, token, root
     proc.send_signal(signal.SIGINT)  # the server shuts its kernels down; their fleets go with them
@@ -65,8 +67,6 @@ def lab(tmp_path_factory):
 @pytest.fixture(scope="module")
 def page(lab):
     url, token, _root = lab
-    assert CHROMIUM, "the browser test needs Debian's chromium: apt-get install -y chromium (.ci/run does)"
-    ARTIFACTS.mkdir(exist_ok=True)
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1500, "height": 1000})

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import fleet_processes, wait_until_gone
+from conftest import fleet_processes, started_here, wait_until_gone
 from simhosts import slurm_conf
 
 from workbench import Fleet, OptionsError
@@ -120,9 +120,10 @@ def test_mpi_launcher_runs_a_ddp_cell_and_leaves_nothing():
 
 
 def _processes(*names):
+    """This test session's processes called one of ``names``."""
     import psutil
 
-    return [p for p in psutil.process_iter(["name"]) if p.info["name"] in names]
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] in names and started_here(p)]
 
 
 def test_two_simulated_nodes_get_node_ranks_local_ranks_and_a_grouped_status():

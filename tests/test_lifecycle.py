@@ -6,9 +6,12 @@ import os
 import signal
 
 import psutil
+import pytest
 from conftest import Kernel, wait_until_gone
 
 from workbench import Fleet
+
+pytestmark = pytest.mark.fleet  # engines, kernels or installs: the slow tier
 
 
 def _tree(pid: int) -> list[int]:

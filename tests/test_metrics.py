@@ -7,12 +7,13 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
 
 import pytest
 from wandb_reader import history_rows
 
-from workbench import Fleet
+from workbench import Fleet, OptionsError
 from workbench.metrics.dashboard import Dashboard, downsample
 from workbench.metrics.wandb_sink import wandb_mode
 
@@ -341,6 +342,24 @@ def test_wandb_mode_is_offline_without_a_key(monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_API_KEY")
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert wandb_mode() is None
+
+
+def test_without_wandb_installed_a_run_keeps_its_jsonl_and_tensorboard_and_wandb_true_is_refused(tmp_path,
+                                                                                                 monkeypatch):
+    """wandb is an extra: without it the default sinks are metrics.jsonl and TensorBoard, and
+    asking for wandb says how to install it, before anything starts."""
+    from workbench.metrics.live import FleetMetrics
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # its import fails, as where it is not installed
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with pytest.raises(OptionsError, match=r"^wandb=True needs the wandb package: pip install 'torch-workbench\[wandb\]'$"):
+        Fleet(n=2, wandb=True)
+    metrics = FleetMetrics("run", str(tmp_path), str(tmp_path), lambda: 1, {})
+    try:
+        assert metrics.wandb is None
+        assert [type(sink).__name__ for sink in metrics.collector.sinks] == ["JsonlSink", "TensorBoardSink"]
+    finally:
+        metrics.close()
 
 
 def test_one_offline_wandb_run_per_fleet_run_holds_the_values(tmp_path, monkeypatch):

@@ -10,6 +10,8 @@ import pytest
 from conftest import fleet_processes
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.fleet  # engines, kernels or installs: the slow tier
+
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 

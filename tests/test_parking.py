@@ -11,6 +11,8 @@ from conftest import wait_until_gone
 
 from workbench import CellOptions, Fleet, FleetError
 
+pytestmark = pytest.mark.fleet  # engines, kernels or installs: the slow tier
+
 SETUP = """
 import torch
 from torch.utils.data import DataLoader, TensorDataset

@@ -37,11 +37,19 @@ STATE = "checksum(model), workbench.step, torch.get_rng_state().double().sum().i
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def tuned_fleet():
     # a real memory limit (the address space of each engine): a huge micro-batch fails to allocate
     with Fleet(n=2, progress=False, wandb=False, tensorboard=False, memory_limit="6G") as fleet:
         fleet.run(SETUP, show_output=False)
         yield fleet
+
+
+@pytest.fixture
+def fleet(tuned_fleet):
+    """The module's fleet; the cell defaults a tune applied are undone after each test, passed or failed."""
+    before = tuned_fleet.cell_defaults
+    yield tuned_fleet
+    tuned_fleet.cell_defaults = before
 
 
 def test_trials_measure_every_configuration_and_an_out_of_memory_ends_its_series(fleet):
@@ -73,7 +81,6 @@ def test_trials_measure_every_configuration_and_an_out_of_memory_ends_its_series
     fleet.run("accelerator.backward(step(model, make_batch(8))); optimizer.step(); optimizer.zero_grad()",
               strategy="ddp", show_output=False)
     assert fleet.run("workbench.step", strategy="ddp", show_output=False) == [before[0][1] + 1] * 2
-    fleet.cell_defaults = type(fleet.cell_defaults)()
 
 
 def test_global_batch_is_kept_by_accumulation_and_max_memory_rules_out_what_does_not_fit(fleet):

@@ -7,11 +7,14 @@ import os
 import pathlib
 
 import nbformat
+import pytest
 from conftest import fleet_processes
 from nbclient import NotebookClient
 
 from workbench import Fleet
 from workbench.testing import BusyMachine
+
+pytestmark = pytest.mark.fleet  # engines, kernels or installs: the slow tier
 
 QUICKSTART = pathlib.Path(__file__).parent.parent / "notebooks" / "01_quickstart.ipynb"
 BUSY = 3 * (os.cpu_count() or 1)  # load about 4 per core with the fleet's own processes

@@ -44,6 +44,16 @@ def flag(default, *, name: str | None = None, metavar: str | None = None, api_on
     return field(default=default, metadata=metadata, **kwargs)
 
 
+def installed(module: str) -> bool:
+    """``module`` can be imported (found without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # None in sys.modules: its import is blocked
+        return False
+
+
 def _whole(value, name: str, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise OptionsError(f"{name} must be a whole number >= {minimum} (got {value!r})")
@@ -357,6 +367,8 @@ class FleetOptions:
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise OptionsError(f"--hang-timeout must be >= 0 seconds, 0 to turn it off (got {self.hang_timeout})")
         _choice(self.launcher, LAUNCHERS, "launcher")
+        if self.wandb and not installed("wandb"):
+            raise OptionsError("wandb=True needs the wandb package: pip install 'torch-workbench[wandb]'")
         hosts = self.placement()
         if hosts is not None:
             if self.launcher not in PLACED_BY_HOST:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 
+from ..options import installed
 from ..runs import make_private
 from .step_rows import StepRows
 
@@ -49,13 +50,8 @@ def wandb_mode() -> str | None:
 
 
 def wandb_enabled() -> bool:
-    if os.environ.get("WANDB_MODE", "").lower() == "disabled":
-        return False
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """The default: on where wandb is installed (the ``wandb`` extra) and not disabled."""
+    return os.environ.get("WANDB_MODE", "").lower() != "disabled" and installed("wandb")
 
 
 class WandbSink:
