@@ -418,6 +418,7 @@ def _ready_spare(fleet, timeout=60.0) -> int:
     return fleet.spare_status()["ready"][0]["pid"]
 
 
+@pytest.mark.fleet
 def test_warm_spares_take_new_and_lost_ranks():
     import os
     import signal
@@ -444,6 +445,7 @@ def test_warm_spares_take_new_and_lost_ranks():
     assert not wait_until_gone(pids, timeout=10), "ranks and spares are gone after stop"
 
 
+@pytest.mark.fleet
 def test_recover_without_a_checkpoint_puts_every_rank_at_the_same_state():
     """Sharded (FSDP) state has no live replica: without a checkpoint every rank starts over."""
     import os

@@ -287,6 +287,7 @@ def test_a_run_folder_that_cannot_be_made_is_one_line_and_starts_nothing(tmp_pat
     assert {p.pid for p in fleet_processes()} <= before
 
 
+@pytest.mark.fleet
 def test_start_twice_and_use_after_stop_are_refused():
     f = Fleet(n=1, progress=False)
     with pytest.raises(FleetError, match="no fleet is running"):
@@ -347,6 +348,7 @@ def _cluster_pids(fleet) -> set[int]:
     return {root.pid, *(c.pid for c in root.children(recursive=True))}
 
 
+@pytest.mark.fleet
 def test_a_dead_nanny_or_a_dead_engine_and_nanny_hang_nothing():
     import psutil
 
@@ -385,6 +387,7 @@ def test_each_rank_output_is_kept_in_the_run_folder(fleet):
         assert os.stat(path).st_mode & 0o077 == 0
 
 
+@pytest.mark.fleet
 def test_an_engine_process_output_outlives_the_runtime_folder():
     """What an engine writes to its own file descriptors (a C library, a crash) is kept at stop."""
     with Fleet(n=1, progress=False) as one:

@@ -104,6 +104,7 @@ def test_slurm_picking_the_nodes_sizes_a_job_by_a_nodes_gpus_from_sinfo(tmp_path
         Fleet(n=4, launcher="slurm", ranks_per_node=0)
 
 
+@pytest.mark.fleet
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no MPI here (.ci/run installs openmpi-bin)")
 def test_mpi_launcher_runs_a_ddp_cell_and_leaves_nothing():
     before = {p.pid for p in fleet_processes()}
@@ -126,6 +127,7 @@ def _processes(*names):
     return [p for p in psutil.process_iter(["name"]) if p.info["name"] in names and started_here(p)]
 
 
+@pytest.mark.fleet
 def test_two_simulated_nodes_get_node_ranks_local_ranks_and_a_grouped_status():
     fleet = Fleet(n=4, progress=False, wandb=False, memory_limit="6G")
     # slots 0 and 2 on node-a, 1 and 3 on node-b: a node's ranks must come out consecutive

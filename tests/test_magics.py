@@ -327,6 +327,7 @@ def test_distributed_help_flags_are_generated_and_typos_get_a_suggestion(kernel)
     assert "Flags (also: %fleet -h)" in doc and "warm engines kept ready outside the group" in doc
 
 
+@pytest.mark.fleet
 def test_unload_ext_stops_the_fleet_and_unregisters_the_magics():
     import psutil
     from conftest import Kernel

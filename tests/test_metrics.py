@@ -362,6 +362,7 @@ def test_without_wandb_installed_a_run_keeps_its_jsonl_and_tensorboard_and_wandb
         metrics.close()
 
 
+@pytest.mark.fleet
 def test_one_offline_wandb_run_per_fleet_run_holds_the_values(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_DIR", raising=False)
@@ -643,6 +644,7 @@ def test_workbench_notices_go_through_the_workbench_logger(fleet, capsys):
     assert "workbench: loss is nan" in capsys.readouterr().err
 
 
+@pytest.mark.fleet
 def test_one_throughput_figure_in_every_place_by_hand(tmp_path, monkeypatch):
     """Each step's samples/s is 32 ÷ that step's time (by hand from metrics.jsonl) and is the same
     number in the dashboard's throughput chart, the panel's points (live; from disk the panel

@@ -89,6 +89,7 @@ for (x,) in loader:
     assert fleet.run("workbench.step", show_output=False) == [6, 6, 6]
 
 
+@pytest.mark.fleet
 def test_stop_waits_for_a_background_save_to_commit(tmp_path):
     """Was: an async save followed at once by %fleet stop left no checkpoint, not even a .tmp folder."""
     with Fleet(n=2, progress=False, wandb=False) as fleet:
@@ -122,6 +123,7 @@ def test_a_child_tied_with_die_with_parent_goes_when_its_rank_goes():
     assert not wait_until_gone([child], timeout=5), "the child outlived its parent"
 
 
+@pytest.mark.fleet
 def test_interrupts_show_one_report_end_clean_loops_and_spare_the_engine_template():
     """Was: every kernel interrupt also killed the engine template (it shared the kernel's process
     group), so later scale-ups and replacements started cold; an interrupt showed ~60 lines of
@@ -210,6 +212,7 @@ def test_push_and_pull_of_what_cannot_travel_is_one_line(fleet):
     assert fleet.run("1 + 1", show_output=False) == [2] * fleet.world_size
 
 
+@pytest.mark.fleet
 def test_stop_from_another_thread_ends_the_running_cell_in_one_line():
     """Was: the running cell got a raw IndexError (or OSError: bad file descriptor) after 12-20 s
     and stop() returned after 30 s. Now the cell stops its ranks and says why; stop() goes on."""

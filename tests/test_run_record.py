@@ -46,6 +46,7 @@ def test_config_refuses_what_json_cannot_hold_in_one_line():
         workbench.config(model=object())
 
 
+@pytest.mark.fleet
 def test_a_named_run_is_stopped_and_a_killed_owner_reads_as_crashed(tmp_path):
     script = ("import sys\nfrom workbench import Fleet\n"
               "f = Fleet(n=1, progress=False, wandb=False, tensorboard=False, name='exp-7').start()\n"
@@ -63,6 +64,7 @@ def test_a_named_run_is_stopped_and_a_killed_owner_reads_as_crashed(tmp_path):
     assert read(crashed)["status"] == "crashed", "its owner died while it was running"
 
 
+@pytest.mark.fleet
 def test_the_config_reaches_tensorboards_hparams_tab(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import metadata, plugin_data_pb2
