@@ -204,7 +204,7 @@ def test_metrics_magic(kernel):
     reply, messages = kernel.execute("%metrics --summary")
     assert "scalar  rank  last" in kernel.text(messages)
     reply, messages = kernel.execute("%metrics --path")
-    path = re.search(r"metrics: (\S+metrics\.jsonl)", kernel.text(messages)).group(1)
+    path = re.search(r"metrics:\s+(\S+metrics\.jsonl)", kernel.text(messages)).group(1)
     reply, messages = kernel.execute(f"print(sum(1 for _ in open({path!r})) >= 160)")
     assert "True" in kernel.text(messages)
     assert "unrecognized arguments" in _usage_error(kernel, "%metrics --bogus")

@@ -14,7 +14,9 @@ import pytest
 from wandb_reader import history_rows
 
 from workbench import Fleet, OptionsError
+from workbench.flags import fleet_parser
 from workbench.metrics.dashboard import Dashboard, downsample
+from workbench.metrics.sinks import RunInfo, Sink, register_sink
 from workbench.metrics.wandb_sink import wandb_mode
 
 TRAIN = """
@@ -356,8 +358,7 @@ def test_without_wandb_installed_a_run_keeps_its_jsonl_and_tensorboard_and_wandb
         Fleet(n=2, wandb=True)
     metrics = FleetMetrics("run", str(tmp_path), str(tmp_path), lambda: 1, {})
     try:
-        assert metrics.wandb is None
-        assert [type(sink).__name__ for sink in metrics.collector.sinks] == ["JsonlSink", "TensorBoardSink"]
+        assert [sink.kind for sink in metrics.collector.sinks] == ["metrics", "tensorboard"]
     finally:
         metrics.close()
 
@@ -397,7 +398,7 @@ def test_metrics_jsonl_goes_on_after_a_full_disk(tmp_path):
     """A full disk pauses metrics.jsonl, keeps what it could not write, and writes it once space is back."""
     from test_checkpoints import _tmpfs
 
-    from workbench.metrics.collector import JsonlSink, SinkPaused
+    from workbench.metrics.sinks import JsonlSink, SinkPaused
     from workbench.metrics.store import Record
 
     def records(start, n):
@@ -568,7 +569,7 @@ def test_a_million_records_keep_the_kernel_memory_bounded_and_old_records_come_b
 
     import psutil
 
-    from workbench.metrics.collector import JsonlSink
+    from workbench.metrics.sinks import JsonlSink
     from workbench.metrics.store import WINDOW, MetricsStore
 
     path = str(tmp_path / "metrics.jsonl")
@@ -644,6 +645,31 @@ def test_workbench_notices_go_through_the_workbench_logger(fleet, capsys):
     assert "workbench: loss is nan" in capsys.readouterr().err
 
 
+class KeptSink(Sink):
+    """A sink of a user's own: keeps what it is given."""
+
+    made: list[KeptSink] = []
+
+    def __init__(self, run: RunInfo) -> None:
+        self.records, self.flushes, self.closed, self.config = [], 0, False, dict(run.config)
+        KeptSink.made.append(self)
+
+    def write(self, records) -> None:
+        self.records += records
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_sink_name_nobody_registered_is_one_line_before_anything_starts():
+    with pytest.raises(OptionsError, match=r"^no sink named 'csv'; known: .*register_sink\(name, factory\)"):
+        Fleet(n=2, sinks=["csv"])
+    assert "--sink NAME[,NAME]" in fleet_parser().help_text("start")
+
+
 @pytest.mark.fleet
 def test_one_throughput_figure_in_every_place_by_hand(tmp_path, monkeypatch):
     """Each step's samples/s is 32 ÷ that step's time (by hand from metrics.jsonl) and is the same
@@ -658,8 +684,10 @@ def test_one_throughput_figure_in_every_place_by_hand(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
+    register_sink("kept-in-memory", KeptSink)  # a sink someone adds: one class, one line to register it
     steps = 30
-    with Fleet(n=2, progress=False, wandb=True, tensorboard=True, runs_dir=str(tmp_path / "runs")) as fleet:
+    with Fleet(n=2, progress=False, wandb=True, tensorboard=True, sinks=["kept-in-memory"],
+               runs_dir=str(tmp_path / "runs")) as fleet:
         fleet.run(f"import time\nfor i in range({steps}):\n    time.sleep(0.04 if i % 3 else 0.08)\n"
                   "    workbench.log(loss=1.0 / (i + 1), samples=32)", show_output=False)
         store, run_dir = fleet.metrics.store, fleet.run_dir
@@ -681,6 +709,10 @@ def test_one_throughput_figure_in_every_place_by_hand(tmp_path, monkeypatch):
         line = dashboard.system_plots["throughput"].lines[f"rank {rank}"]
         assert dict(zip(line.x, line.y, strict=True)) == pytest.approx(
             {s: v for (r, s), v in by_hand.items() if r == rank}, rel=1e-9)
+    # a sink of the user's own, given every record as it arrived, flushed at the end of the cell, closed at stop
+    kept = KeptSink.made[-1]
+    assert {(r.rank, r.step): 32 / r.system["step_time_s"] for r in kept.records} == pytest.approx(by_hand, rel=1e-9)
+    assert kept.flushes >= 1 and kept.closed and kept.config["ranks"] == 2
     # wandb (30 rows: within its burst) and TensorBoard (within its burst too)
     wandb_file = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))[0]
     rows = [row for row in history_rows(wandb_file) if "rank0/samples_per_s" in row]

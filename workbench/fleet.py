@@ -32,6 +32,7 @@ from .errors import FleetError, OptionsError
 from .launchers import LauncherSpec
 from .metrics.live import FleetMetrics
 from .metrics.logger import take_config
+from .metrics.sinks import check_sink_names
 from .notices import notice
 from .options import CellOptions, FleetOptions, TuneOptions, parse_duration, parse_size
 from .output import ProgressLine
@@ -45,11 +46,6 @@ from .runs import new_run_dir
 
 SAVE_WAIT_S = 120.0  # how long stop() waits for a background save to commit
 CELL_STOP_WAIT_S = 30.0  # how long stop() from another thread waits for the running cell to stop its ranks
-
-
-def _flat(values: dict) -> dict:
-    """Config values as TensorBoard's HParams take them (a list becomes its text)."""
-    return {k: v if isinstance(v, (str, int, float, bool)) else str(v) for k, v in values.items() if v is not None}
 
 
 if TYPE_CHECKING:
@@ -72,6 +68,7 @@ class Fleet:
 
     def __init__(self, n: int | None = None, *, options: FleetOptions | None = None, **kwargs: Any) -> None:
         self.options = options = FleetOptions.build(n, options, kwargs)
+        check_sink_names(options.sinks or [])
         gpus = parse_gpu_list(options.gpus) if isinstance(options.gpus, str) else options.gpus
         self.launcher = LauncherSpec(options.launcher, options.batch_options(), options.launcher_config,
                                      options.ranks_per_node)
@@ -202,12 +199,9 @@ class Fleet:
                 self.run_id, self.run_dir, self.runtime_dir, lambda: self.world_size,
                 {"name": self.record.name, "ranks": len(self.pool.slots), "backend": self.backend,
                  "device_type": self.device_type, "fleet": options, **self.record.config},
-                wandb=self.options.wandb, tensorboard=self.options.tensorboard,
+                wandb=self.options.wandb, tensorboard=self.options.tensorboard, sinks=self.options.sinks or [],
                 network=self.launcher.remote or self.attached,  # engines on other hosts send over TCP
             )
-            if self.metrics.tensorboard is not None:
-                self.metrics.tensorboard.hparams.update(_flat({"name": self.record.name, "ranks": len(self.pool.slots),
-                                                               "backend": self.backend, **self.record.config}))
             if self.attached:
                 progress.show("fleet: connecting to the running cluster…")
                 self.processes.connect(self.options.profile, self.options.cluster_id)
@@ -529,10 +523,8 @@ class Fleet:
         values = {**values, **take_config()}
         if values and self.record is not None:
             self.record.add_config(values)
-            if self.metrics is not None and self.metrics.wandb is not None:
-                self.metrics.wandb.update_config(values)
-            if self.metrics is not None and self.metrics.tensorboard is not None:
-                self.metrics.tensorboard.hparams.update(_flat(values))
+            if self.metrics is not None:
+                self.metrics.update_config(values)
 
     def stacks(self, native: bool = False, everything: bool = False) -> str:
         """Where every rank's threads are now (Python frames; ``native``: C frames too, through

@@ -381,12 +381,13 @@ class WorkbenchMagics(Magics):
         if metrics is None:
             raise UsageError("no fleet has run in this kernel; start one with %fleet start -n 2")
         if args.path:
-            wandb_path = metrics.wandb.path if metrics.wandb is not None else None
-            print(f"metrics: {metrics.jsonl_path}")
-            print(f"wandb:   {wandb_path or 'no wandb run (nothing logged yet, or wandb disabled)'}")
-            tensorboard = metrics.tensorboard.folder if metrics.tensorboard is not None else None
-            print(f"tensorboard: {tensorboard or 'off (pip install tensorboard to have it)'}")
-            print(f"logs:    {logs_dir(metrics.run_dir)}  (each rank's output)")
+            where = {"wandb": "off (pip install 'torch-workbench[wandb]' to have it)",
+                     "tensorboard": "off (pip install tensorboard to have it)", **metrics.locations()}
+            if where["wandb"] is None:
+                where["wandb"] = "no wandb run yet (nothing logged)"
+            for kind, location in where.items():
+                print(f"{kind + ':':12} {location or 'nothing written yet'}")
+            print(f"{'logs:':12} {logs_dir(metrics.run_dir)}  (each rank's output)")
         elif args.summary:
             print(metrics.summary())
         else:

@@ -278,6 +278,9 @@ class FleetOptions:
     """do not log this run to wandb (default: offline wandb when it is installed)"""
     tensorboard: bool | None = flag(None, name="--no-tensorboard")
     """do not write TensorBoard event files (default: on when tensorboard is installed)"""
+    sinks: list[str] | None = flag(None, name="--sink", metavar="NAME[,NAME]")
+    """more places for the run's records: sinks by the name they were registered under (register_sink in
+    workbench.metrics.sinks, or a 'workbench.sinks' entry point)"""
     checkpoint_dir: str | None = flag(None, metavar="DIR|URL")
     """where checkpoints go: a folder (shared by every host) or an fsspec URL such as s3://bucket/prefix (default:
     the run's folder); later fleets given the same place can restore what earlier ones saved"""

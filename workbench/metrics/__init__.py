@@ -3,8 +3,9 @@
 Engine side: :mod:`.logger` (``log``, ``progress``, the sender) and
 :mod:`.instrument` (step, throughput and communication measurements).
 Kernel side: :mod:`.collector` (zmq receiver), :mod:`.store`, :mod:`.live`
-(per-cell display), :mod:`.dashboard` (widget), :mod:`.summary` (text),
-:mod:`.wandb_sink`.
+(the run's sinks, per-cell display), :mod:`.dashboard` (widget), :mod:`.summary` (text),
+:mod:`.sinks` (the :class:`~.sinks.Sink` base, the registry, ``metrics.jsonl``),
+:mod:`.wandb_sink`, :mod:`.tensorboard_sink`.
 """
 
 from .logger import config, log, progress

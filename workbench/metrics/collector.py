@@ -11,8 +11,8 @@ in the fleet's private runtime folder; only a fleet with engines on other hosts
 signed with the run's key (HMAC-SHA256, given to the engines over ipyparallel's
 signed channel): one without a valid signature is dropped and counted.
 
-A receiver thread adds records to the :class:`MetricsStore` and writes them
-to ``metrics.jsonl`` and wandb as they come.
+A receiver thread adds records to the :class:`MetricsStore` and hands them to the
+run's sinks (:mod:`.sinks`: ``metrics.jsonl``, wandb, TensorBoard, ...) as they come.
 """
 
 from __future__ import annotations
@@ -28,53 +28,10 @@ import orjson
 
 from ..links import route_address
 from ..messages import sign
-from .store import MetricsStore, json_safe
+from .sinks import JSONL_NAME, Sink, SinkPaused
+from .store import MetricsStore
 
 RECEIVE_HWM = 64  # messages queued here before the senders feel back-pressure
-
-
-class SinkPaused(Exception):
-    """A sink could not write now (a full disk) but keeps what it was given and tries again."""
-
-
-class JsonlSink:
-    """``<run>/metrics.jsonl``: one JSON object a line (time, rank, step, scalars, system).
-
-    A failed write (disk full) keeps the unwritten bytes, up to MAX_PENDING_BYTES, and the
-    next write tries them first, so the file goes on once space is back."""
-
-    MAX_PENDING_BYTES = 64 * 2**20
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._pending = b""
-        self.dropped_bytes = 0
-
-    def write(self, records) -> None:
-        data = self._pending + b"".join(_line(r) for r in records)
-        self._pending = b""
-        try:
-            while data:
-                data = data[os.write(self._fd, data):]
-        except OSError as exc:
-            if len(data) > self.MAX_PENDING_BYTES:  # keep the newest whole lines
-                cut = data.find(b"\n", len(data) - self.MAX_PENDING_BYTES) + 1
-                self.dropped_bytes += cut
-                data = data[cut:]
-            self._pending = data
-            raise SinkPaused(f"metrics.jsonl: {exc.strerror or exc}; {len(data)} bytes kept, written once "
-                             "there is space again") from None
-
-    def flush(self) -> None:
-        if self._pending:
-            self.write([])
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-_ENCODE = json.JSONEncoder(allow_nan=False).encode
 
 
 def _decode(raw: bytes):
@@ -86,29 +43,18 @@ def _decode(raw: bytes):
         return json.loads(raw)
 
 
-def _line(record) -> bytes:
-    """One line of metrics.jsonl: orjson (a tenth of the json module's time; NaN and inf become
-    null, as standard JSON has neither), the json module for what orjson refuses (huge ints)."""
-    data = record.to_json()
-    try:
-        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
-    except TypeError:
-        return (_ENCODE(json_safe(data)) + "\n").encode()
-
-
 class MetricsCollector:
     """The kernel's end of the metrics pipe for one fleet run."""
 
-    def __init__(self, run_dir: str, runtime_dir: str, sinks: list | None = None, network: bool = False) -> None:
+    def __init__(self, run_dir: str, runtime_dir: str, sinks: list[Sink] = (), network: bool = False) -> None:
         import zmq
 
         self.run_dir = run_dir
         self.key = secrets.token_hex(32)  # the senders sign each message with it
         self._key = bytes.fromhex(self.key)
         self.rejected = 0  # messages dropped for a bad signature
-        jsonl = os.path.join(run_dir, "metrics.jsonl")
-        self.store = MetricsStore(spill_path=jsonl)
-        self.sinks = [JsonlSink(jsonl), *(sinks or [])]
+        self.store = MetricsStore(spill_path=os.path.join(run_dir, JSONL_NAME))  # old records come back from there
+        self.sinks = list(sinks)
         self.errors: list[str] = []
         self._paused_notices: list[str] = []
         self._context = zmq.Context()

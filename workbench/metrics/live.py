@@ -9,29 +9,53 @@ and prints the text summary (what nbconvert and scripts keep).
 
 from __future__ import annotations
 
+import os
+
 from ..notices import notice
+from ..options import installed
 from ..output import in_kernel
 from .collector import MetricsCollector
+from .sinks import JSONL_NAME, JsonlSink, RunInfo, Sink, sink_factory
 from .store import WINDOW
 from .summary import non_finite, summary_text
-from .tensorboard_sink import TensorBoardSink, tensorboard_available
+from .tensorboard_sink import TensorBoardSink
 from .wandb_sink import WandbSink, wandb_enabled
 
 ARRIVAL_WAIT_S = 3.0  # a cell waits this long at most for its last records
 
 
+def open_sinks(run: RunInfo, wandb: bool | None, tensorboard: bool | None, extra: list[str] = ()) -> list[Sink]:
+    """The run's sinks: ``metrics.jsonl`` first, then wandb and TensorBoard (None: where
+    installed), then ``extra`` by name."""
+    sinks: list[Sink] = [JsonlSink(os.path.join(run.run_dir, JSONL_NAME))]
+    if wandb_enabled() if wandb is None else wandb:
+        sinks.append(WandbSink(run))
+    if installed("tensorboard") if tensorboard is None else tensorboard:
+        sinks.append(TensorBoardSink(run))
+    sinks += [sink_factory(name)(run) for name in extra]
+    return sinks
+
+
 class FleetMetrics:
+    """One fleet run's metrics: its sinks (:mod:`.sinks`), the collector that feeds them, the dashboard."""
+
     def __init__(self, run_id: str, run_dir: str, runtime_dir: str, world_size, config: dict,
-                 wandb: bool | None = None, tensorboard: bool | None = None, network: bool = False) -> None:
+                 wandb: bool | None = None, tensorboard: bool | None = None, sinks: list[str] = (),
+                 network: bool = False) -> None:
         self.run_id = run_id
         self.run_dir = run_dir
-        self.wandb = WandbSink(run_dir, run_id, world_size, config) if (
-            wandb_enabled() if wandb is None else wandb) else None
-        self.tensorboard = TensorBoardSink(run_dir, world_size) if (
-            tensorboard_available() if tensorboard is None else tensorboard) else None
-        sinks = [sink for sink in (self.wandb, self.tensorboard) if sink is not None]
-        self.collector = MetricsCollector(run_dir, runtime_dir, sinks, network=network)
+        self.sinks = open_sinks(RunInfo(run_id, run_dir, world_size, config), wandb, tensorboard, sinks)
+        self.collector = MetricsCollector(run_dir, runtime_dir, self.sinks, network=network)
         self._dashboard = None
+
+    def update_config(self, values: dict) -> None:
+        """The run's config grew: every sink is told."""
+        for sink in self.sinks:
+            sink.update_config(values)
+
+    def locations(self) -> dict[str, str | None]:
+        """Where each sink writes, by its kind (``metrics.jsonl``, ``wandb``, ``tensorboard``, ...)."""
+        return {sink.kind: sink.location for sink in self.sinks}
 
     @property
     def store(self):
@@ -43,7 +67,7 @@ class FleetMetrics:
 
     @property
     def jsonl_path(self) -> str:
-        return self.collector.sinks[0].path
+        return next(sink.path for sink in self.sinks if isinstance(sink, JsonlSink))
 
     def dashboard(self):
         """The whole run's dashboard (``%metrics``; created on first use, live while cells run)."""

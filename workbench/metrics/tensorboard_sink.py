@@ -20,6 +20,7 @@ import os
 import time
 
 from ..runs import make_private
+from .sinks import RunInfo, Sink
 from .step_rows import StepRows
 
 FOLDER = "tensorboard"
@@ -64,23 +65,24 @@ def _hparams_summaries(hparams: dict, metric_tags: list[str]) -> list:
             summary(metadata.SESSION_END_INFO_TAG, session_end_info=end)]
 
 
-def tensorboard_available() -> bool:
-    try:
-        import tensorboard.summary.writer.event_file_writer  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-class TensorBoardSink:
+class TensorBoardSink(Sink):
     """Writes a fleet run's records under ``<run>/tensorboard``; files appear at the first record."""
 
-    def __init__(self, run_dir: str, world_size) -> None:
-        self.folder = os.path.join(run_dir, FOLDER)
-        self.rows = StepRows(world_size, ROWS_PER_S, ROW_BURST)
+    kind = "tensorboard"
+
+    def __init__(self, run: RunInfo) -> None:
+        self.location = self.folder = os.path.join(run.run_dir, FOLDER)
+        self.rows = StepRows(run.world_size, ROWS_PER_S, ROW_BURST)
         self._writers: dict[str, object] = {}  # "" (the mean) or "rank<N>" -> EventFileWriter
         self.hparams: dict = {}  # the run's config, written at close for TensorBoard's HParams tab
         self._tags: set[str] = set()  # the mean's scalar tags: the HParams tab's metrics
+        self.update_config(run.config)
+
+    def update_config(self, values: dict) -> None:
+        """Config values as TensorBoard's HParams take them (a list becomes its text; nested
+        options are left out)."""
+        self.hparams.update({k: v if isinstance(v, (str, int, float, bool)) else str(v) for k, v in values.items()
+                             if v is not None and not isinstance(v, dict)})
 
     def write(self, records) -> None:
         self._write(self.rows.add(records))

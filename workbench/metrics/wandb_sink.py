@@ -25,6 +25,7 @@ import os
 
 from ..options import installed
 from ..runs import make_private
+from .sinks import RunInfo, Sink
 from .step_rows import StepRows
 
 STEP_KEY = "workbench/step"
@@ -54,15 +55,15 @@ def wandb_enabled() -> bool:
     return os.environ.get("WANDB_MODE", "").lower() != "disabled" and installed("wandb")
 
 
-class WandbSink:
+class WandbSink(Sink):
     """Writes a fleet run's records to wandb; the run starts at the first record."""
 
-    def __init__(self, run_dir: str, run_id: str, world_size, config: dict) -> None:
-        self.run_dir = run_dir
-        self.run_id = run_id
-        self.config = config
+    def __init__(self, run: RunInfo) -> None:
+        self.run_dir = run.run_dir
+        self.run_id = run.run_id
+        self.config = dict(run.config)
         self.run = None
-        self.rows = StepRows(world_size, ROWS_PER_S, ROW_BURST)
+        self.rows = StepRows(run.world_size, ROWS_PER_S, ROW_BURST)
 
     def _start(self):
         import wandb
@@ -115,6 +116,6 @@ class WandbSink:
         make_private(os.path.join(self.run_dir, "wandb"))
 
     @property
-    def path(self) -> str | None:
+    def location(self) -> str | None:
         """The wandb run's folder (what ``wandb sync`` takes), once the run has started."""
         return os.path.dirname(self.run.dir) if self.run is not None else None
