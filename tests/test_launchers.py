@@ -13,7 +13,7 @@ import pytest
 from conftest import fleet_processes, started_here, wait_until_gone
 from simhosts import slurm_conf
 
-from workbench import Fleet, OptionsError
+from workbench import Fleet, FleetOptions, OptionsError
 from workbench.launchers import LauncherSpec, parse_options
 from workbench.options import parse_size
 
@@ -50,8 +50,15 @@ def test_launcher_options_are_checked_against_ipyparallel():
     assert LauncherSpec("mpi").cluster_kwargs() == {"engines": "mpi"}  # engines on this host: localhost only
     with pytest.raises(OptionsError, match="has no option 'bogus'; it knows: account"):
         LauncherSpec("slurm", {"bogus": "1"})
-    with pytest.raises(OptionsError, match="unknown launcher 'yarn'"):
+    with pytest.raises(OptionsError, match="unknown launcher 'yarn'; use one of: local, .*htcondor.*lsf.*sge"):
         LauncherSpec("yarn")
+    # ipyparallel's other launchers, found by its own lookup: a batch system's options by its trait names
+    lsf = LauncherSpec("lsf", {"partition": "short"})
+    assert lsf.traits == {"queue": "short"} and lsf.launcher_class().__name__ == "LSFEngineSetLauncher"
+    assert lsf.cluster_kwargs() == {"engines": "lsf", "controller_ip": "*"} and not lsf.node_jobs
+    assert FleetOptions(n=2, launcher="sge", partition="all.q").validate().launcher == "sge"
+    with pytest.raises(OptionsError, match="the sge launcher has no option 'time'"):
+        LauncherSpec("sge", {"time": "01:00:00"})
     with pytest.raises(OptionsError, match="option of a cluster launcher"):
         LauncherSpec("local", {"partition": "x"})
     assert parse_options(["qos=high", "mpi_args=--bind-to none"]) == {"qos": "high", "mpi_args": ["--bind-to", "none"]}

@@ -65,7 +65,7 @@ def test_the_kernel_names_still_import_from_the_package():
 LAYERS = [
     ["workbench.rank", "workbench.errors", "workbench.messages", "workbench.data_position",
      "workbench.batch_process", "workbench.reaper", "workbench.stacks", "workbench.placement",
-     "workbench.links"],
+     "workbench.links", "workbench.launcher_kinds"],
     ["workbench.metrics.comm", "workbench.metrics.gpu", "workbench.metrics.logger", "workbench.metrics"],
     ["workbench.parallel.options", "workbench.parallel.fsdp", "workbench.parallel.hooks", "workbench.parallel.tensor",
      "workbench.parallel.pipeline", "workbench.parallel.model", "workbench.parallel", "workbench.options"],

@@ -83,7 +83,7 @@ class Fleet:
         self.cell_thread: int | None = None  # the thread running a cell on the ranks now
         self.stop_requested = threading.Event()  # stop() from another thread: that cell stops its ranks
         hosts = options.placement()
-        if self.launcher.name != "local" or self.attached:
+        if not self.launcher.local or self.attached:
             places = hosts.assign(options.n, []) if hosts else [None] * (options.n or 0)
             slots = [EngineSlot(i, host=host) for i, host in enumerate(places)]
             self.device_type = "cuda" if options.backend == "nccl" else "cpu"

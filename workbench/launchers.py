@@ -1,10 +1,12 @@
-"""Where engines start: ipyparallel's own launchers (local, MPI, Slurm, PBS, SSH).
+"""Where engines start: ipyparallel's own launchers (local, MPI, Slurm, PBS, SSH, and its others).
 
 :class:`LauncherSpec` turns ``%fleet start --launcher NAME`` and its options
 into the ``ipp.Cluster`` arguments and the traitlets config of that
 launcher's engine-set class (``SlurmEngineSetLauncher.queue``, ...), so every
 option ipyparallel knows passes through by name; ``--launcher-config FILE``
-loads a traitlets config file (``c.SlurmEngineSetLauncher.timelimit = ...``).
+loads a traitlets config file (``c.SlurmEngineSetLauncher.timelimit = ...``). What differs
+between launchers for a fleet is one table (:mod:`.launcher_kinds`); what each one needs done
+its own way (ssh's hosts, Slurm's sbatch flags) is here.
 Each rank is its own engine set (one ``mpiexec -n 1``, one ssh command), so a rank
 can be replaced or added alone; except with Slurm, where a node's ranks start
 together as one job (``--nodes=1``, one task per rank: on the node ``--hosts`` names,
@@ -29,20 +31,10 @@ import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 
 from .errors import OptionsError
-from .options import LAUNCHERS
+from .launcher_kinds import LOCAL, kind_of, launcher_names
 from .template import exit_status, socket_path
 
-REMOTE = ("slurm", "pbs", "ssh")  # engines may run on other hosts: the controller listens on the network
 SSH_PORT, SLURMD_PORT = 22, 6818  # what answers on a live host of each launcher (slurmd's default port)
-# friendly option names -> the trait of each launcher's engine-set class
-SHORTCUTS = {
-    "partition": {"slurm": "queue", "pbs": "queue"},
-    "queue": {"slurm": "queue", "pbs": "queue"},
-    "time": {"slurm": "timelimit"},
-    "account": {"slurm": "account"},
-    "qos": {"slurm": "qos"},
-    "mpi_args": {"mpi": "mpi_args"},
-}
 
 
 @dataclass
@@ -53,8 +45,9 @@ class LauncherSpec:
     per_node: int | None = None  # --ranks-per-node: Slurm without --hosts
 
     def __post_init__(self) -> None:
-        if self.name not in LAUNCHERS:
-            raise OptionsError(f"unknown launcher {self.name!r}; use one of: {', '.join(LAUNCHERS)}")
+        if self.name not in launcher_names():
+            raise OptionsError(f"unknown launcher {self.name!r}; use one of: {', '.join(launcher_names())}")
+        self.kind = kind_of(self.name)
         if self.config_file is not None and not os.path.isfile(self.config_file):
             raise OptionsError(f"--launcher-config {self.config_file!r} is not a file")
         self.traits = {self._trait(key): value for key, value in self.options.items()}
@@ -63,16 +56,21 @@ class LauncherSpec:
 
     @property
     def remote(self) -> bool:
-        return self.name in REMOTE
+        return self.kind.remote
+
+    @property
+    def local(self) -> bool:
+        """Engines forked here from the engine template (no scheduler between)."""
+        return self.name == LOCAL
 
     @functools.cached_property
     def probe_port(self) -> int | None:
         """The port a live host of this launcher answers on: sshd's (the ssh launcher started the
         engines through it) or slurmd's. A host whose ranks went silent is asked there whether it
         is still there (:meth:`EnginePool.lost_hosts_now`); None: hosts are not probed."""
-        if self.name == "ssh":
+        if self.kind.probe == "ssh":
             return SSH_PORT
-        if self.name == "slurm":
+        if self.kind.probe == "slurmd":
             return _slurmd_port()
         return None
 
@@ -80,13 +78,13 @@ class LauncherSpec:
     def node_jobs(self) -> bool:
         """A node's engines start together as one job of one task per rank (Slurm): the node
         comes up whole or not at all, and a node lost ends only its own job."""
-        return self.name == "slurm"
+        return self.kind.node_jobs
 
     @property
     def stops_engines(self) -> bool:
         """Its engines are stopped through the launcher, not asked to exit first: ipyparallel's ssh
         launcher signals them by pid on their host, and one that already exited prints a traceback."""
-        return self.name == "ssh"
+        return self.kind.stops_engines
 
     def launcher_class(self):
         from ipyparallel.cluster.launcher import find_launcher_class
@@ -95,8 +93,8 @@ class LauncherSpec:
 
     def _trait(self, key: str) -> str:
         key = key.replace("-", "_")
-        trait = SHORTCUTS.get(key, {}).get(self.name, key)
-        if self.name == "local":
+        trait = self.kind.shortcuts.get(key, key)
+        if self.local:
             raise OptionsError(f"--{key.replace('_', '-')} is an option of a cluster launcher; add --launcher "
                                "slurm|pbs|mpi|ssh")
         known = self.launcher_class().class_traits(config=True)
@@ -161,7 +159,7 @@ class LauncherSpec:
         """Arguments for ``ipp.Cluster``: the engine launcher (local engines fork from the engine
         template, :mod:`workbench.template`), and for engines on other hosts a controller that
         listens on the network (registration is still signed with the cluster's key)."""
-        kwargs = {"engines": TemplateEngineSetLauncher} if self.name == "local" else {"engines": self.name}
+        kwargs = {"engines": TemplateEngineSetLauncher} if self.local else {"engines": self.name}
         if self.remote:
             kwargs["controller_ip"] = "*"
         return kwargs

@@ -17,19 +17,17 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, get_args
 
 from .errors import OptionsError
+from .launcher_kinds import kind_of, launcher_names
 from .parallel.options import check_parallel
 
 Strategy = Literal["ddp", "fsdp", "hsdp", "none"]
 Precision = Literal["no", "fp16", "bf16"]
 Schedule = Literal["gpipe", "1f1b"]
 Backend = Literal["gloo", "nccl", "mpi"]
-Launcher = Literal["local", "mpi", "slurm", "pbs", "ssh"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 BACKENDS: tuple[str, ...] = get_args(Backend)
-LAUNCHERS: tuple[str, ...] = get_args(Launcher)
-PLACED_BY_HOST = ("ssh", "slurm")  # --hosts/--hostfile name where their engines start
 DEFAULT_PG_TIMEOUT_S = 300.0
 DEFAULT_ENGINE_TIMEOUT_S = 120.0
 DEFAULT_HANG_TIMEOUT_S = 300.0
@@ -286,8 +284,9 @@ class FleetOptions:
     the run's folder); later fleets given the same place can restore what earlier ones saved"""
     runs_dir: str | None = flag(None, metavar="DIR")
     """where run folders go (default ./workbench-runs)"""
-    launcher: Launcher = "local"
-    """how engines start: here, or through ipyparallel's MPI, Slurm, PBS or SSH launcher"""
+    launcher: str = flag("local", metavar="local|mpi|slurm|pbs|ssh|...")
+    """how engines start: here, or through any of ipyparallel's launchers (mpi, slurm, pbs, ssh, sge, lsf,
+    htcondor, ...)"""
     launcher_options: dict = flag(None, name="--launcher-option", metavar="KEY=VALUE")
     """an option of the launcher, by its ipyparallel name (repeatable)"""
     launcher_config: str | None = flag(None, metavar="FILE")
@@ -369,12 +368,13 @@ class FleetOptions:
         _whole(self.spares, "--spares", 0)
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise OptionsError(f"--hang-timeout must be >= 0 seconds, 0 to turn it off (got {self.hang_timeout})")
-        _choice(self.launcher, LAUNCHERS, "launcher")
+        _choice(self.launcher, launcher_names(), "launcher")
+        kind = kind_of(self.launcher)
         if self.wandb and not installed("wandb"):
             raise OptionsError("wandb=True needs the wandb package: pip install 'torch-workbench[wandb]'")
         hosts = self.placement()
         if hosts is not None:
-            if self.launcher not in PLACED_BY_HOST:
+            if not kind.placed_by_hosts:
                 raise OptionsError("--hosts/--hostfile place engines with --launcher ssh or slurm (PBS and MPI "
                                    "place them through their own allocation)")
             if self.n is None:
@@ -382,7 +382,7 @@ class FleetOptions:
             if self.n > hosts.total:
                 raise OptionsError(f"-n {self.n} needs {self.n} slots but the hosts have {hosts.total} ({hosts})")
         if self.ranks_per_node is not None:
-            if self.launcher != "slurm" or hosts is not None:
+            if not kind.node_jobs or hosts is not None:
                 raise OptionsError("--ranks-per-node sizes the jobs of --launcher slurm when Slurm picks the nodes "
                                    "(without --hosts, which says the ranks of each host)")
             _whole(self.ranks_per_node, "--ranks-per-node", 1)

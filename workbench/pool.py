@@ -391,7 +391,7 @@ class EnginePool:
             if places is None:
                 raise OptionsError("every host of the cluster is lost: %fleet scale N --hosts HOST:K adds one")
             return [EngineSlot(first + i, host=host) for i, host in enumerate(places)]
-        if self.device_type == "cpu" or self.processes.launcher.name != "local":  # a scheduler gives the GPUs
+        if self.device_type == "cpu" or not self.processes.launcher.local:  # a scheduler gives the GPUs
             return [EngineSlot(first + i) for i in range(count)]
         busy = {s.gpu for s in used}
         free = [g for g in visible_gpus() if g not in busy]

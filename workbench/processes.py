@@ -18,9 +18,9 @@ import psutil
 
 from . import template
 from .errors import OptionsError
+from .launcher_kinds import LOCAL, launcher_names
 from .launchers import LauncherSpec
 from .notices import notice
-from .options import LAUNCHERS
 from .output import ProgressLine, last_line
 from .reaper import kill_all, write_pids
 
@@ -82,7 +82,7 @@ class Processes:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        if self.launcher.name == "local":
+        if self.launcher.local:
             self._template = subprocess.Popen(
                 [sys.executable, "-m", "workbench.template", self.runtime_dir],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -330,4 +330,4 @@ def attached_launcher(cluster) -> LauncherSpec:
     from ipyparallel.cluster.launcher import abbreviate_launcher_class
 
     name = abbreviate_launcher_class(cluster.engine_launcher_class)
-    return LauncherSpec(name if name in LAUNCHERS else "local")
+    return LauncherSpec(name if name in launcher_names() else LOCAL)
