@@ -46,7 +46,7 @@ def targets(fleet, ranks) -> list[int]:
 def _admit(fleet, options: CellOptions, ranks) -> list[int]:
     """The cell's target ranks (a one-line error if they or its options do not fit the fleet)."""
     chosen = targets(fleet, ranks)
-    options.validate(fleet.device_type, fleet.world_size, len({m.host for m in fleet.members}), fleet.backend)
+    options.validate(fleet.device_type, fleet.world_size, fleet.nodes, fleet.backend)
     if (options.custom_parallel or options.comm_hook) and len(chosen) != fleet.world_size:
         raise OptionsError("hsdp, --tp, --pp and --comm-hook need every rank (they build the mesh or DDP "
                            "on the whole group); drop --ranks")

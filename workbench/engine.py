@@ -30,8 +30,7 @@ def ensure_accelerator(options: CellOptions):
         from .strategies import build_accelerator
 
         _forget_sharding_plans(STATE.spec.generation)
-        nodes = STATE.spec.world_size // max(1, STATE.spec.local_world_size)
-        STATE.accelerator = build_accelerator(options, STATE.device.type, nodes)
+        STATE.accelerator = build_accelerator(options, STATE.device.type, STATE.spec.nodes)
         STATE.accelerator_key = key
     return STATE.accelerator
 

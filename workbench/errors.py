@@ -19,3 +19,9 @@ class OptionsError(WorkbenchError, ValueError):
 
 class CheckpointError(WorkbenchError):
     """A checkpoint cannot be saved, found or restored; nothing was changed."""
+
+
+def require_whole(value, name: str, minimum: int) -> None:
+    """An :class:`OptionsError` unless ``value`` is a whole number >= ``minimum`` (``name``: the flag)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise OptionsError(f"{name} must be a whole number >= {minimum} (got {value!r})")

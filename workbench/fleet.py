@@ -149,6 +149,11 @@ class Fleet:
         return self.pool.world_size
 
     @property
+    def nodes(self) -> int:
+        """Hosts the ranks run on (the ranks see it as ``RendezvousSpec.nodes``)."""
+        return len({m.host for m in self.members}) or 1
+
+    @property
     def members(self) -> list[Member]:
         """The ranks, in rank order."""
         return self.pool.members
@@ -491,7 +496,7 @@ class Fleet:
 
         written, warnings = export(
             path, self.setup_cells, self.training_cell, world_size=self.world_size,
-            nodes=len({m.host for m in self.members}) or 1, run_id=self.run_id, gpus=self.device_type == "cuda",
+            nodes=self.nodes, run_id=self.run_id, gpus=self.device_type == "cuda",
             slurm_options=self.launcher.traits if self.launcher.name == "slurm" else None, overwrite=overwrite)
         for warning in warnings:
             notice(warning)

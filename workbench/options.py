@@ -16,17 +16,15 @@ import difflib
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, get_args
 
-from .errors import OptionsError
+from .errors import OptionsError, require_whole
 from .launcher_kinds import kind_of, launcher_names
-from .parallel.options import check_parallel
+from .parallel.options import Schedule, check_parallel
 
 Strategy = Literal["ddp", "fsdp", "hsdp", "none"]
 Precision = Literal["no", "fp16", "bf16"]
-Schedule = Literal["gpipe", "1f1b"]
 Backend = Literal["gloo", "nccl", "mpi"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-SCHEDULES: tuple[str, ...] = get_args(Schedule)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 DEFAULT_PG_TIMEOUT_S = 300.0
 DEFAULT_ENGINE_TIMEOUT_S = 120.0
@@ -50,11 +48,6 @@ def installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ValueError:  # None in sys.modules: its import is blocked
         return False
-
-
-def _whole(value, name: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise OptionsError(f"{name} must be a whole number >= {minimum} (got {value!r})")
 
 
 def _choice(value, choices: tuple[str, ...], what: str) -> None:
@@ -148,7 +141,7 @@ class CellOptions:
         (and, when ``world_size`` is given, on that many ranks)."""
         _choice(self.strategy, STRATEGIES, "strategy")
         _choice(self.mixed_precision, PRECISIONS, "mixed precision")
-        _whole(self.grad_accum, "--grad-accum", 1)
+        require_whole(self.grad_accum, "--grad-accum", 1)
         if self.mixed_precision == "fp16" and device_type == "cpu":
             raise OptionsError(
                 "fp16 mixed precision needs a GPU (it relies on CUDA's grad scaler); "
@@ -216,15 +209,15 @@ class TuneOptions:
     def validate(self, device_type: str, world_size: int, nodes: int = 1) -> "TuneOptions":
         """Raise :class:`OptionsError` for values no trial can use; returns the options with the
         defaults filled in for this fleet (``micro_batches``, ``strategies``, ``precisions``)."""
-        _whole(self.steps, "--steps", 1)
-        _whole(self.warmup, "--warmup", 0)
+        require_whole(self.steps, "--steps", 1)
+        require_whole(self.warmup, "--warmup", 0)
         if self.global_batch is not None:
-            _whole(self.global_batch, "--global-batch", 1)
+            require_whole(self.global_batch, "--global-batch", 1)
         if self.tokens_per_sample is not None:
-            _whole(self.tokens_per_sample, "--tokens-per-sample", 1)
+            require_whole(self.tokens_per_sample, "--tokens-per-sample", 1)
         parse_size(self.max_memory, "--max-memory")
         for size in self.micro_batches or ():
-            _whole(size, "a micro-batch size", 1)
+            require_whole(size, "a micro-batch size", 1)
         for strategy in self.strategies or ():
             _choice(strategy, ("ddp", "fsdp", "hsdp"), "strategy to tune")
         for precision in self.precisions or ():
@@ -364,8 +357,8 @@ class FleetOptions:
             parse_duration(self.park_after)
         if self.pg_timeout <= 0:
             raise OptionsError(f"--pg-timeout must be a positive number of seconds (got {self.pg_timeout})")
-        _whole(self.max_restarts, "--max-restarts", 0)
-        _whole(self.spares, "--spares", 0)
+        require_whole(self.max_restarts, "--max-restarts", 0)
+        require_whole(self.spares, "--spares", 0)
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise OptionsError(f"--hang-timeout must be >= 0 seconds, 0 to turn it off (got {self.hang_timeout})")
         _choice(self.launcher, launcher_names(), "launcher")
@@ -385,7 +378,7 @@ class FleetOptions:
             if not kind.node_jobs or hosts is not None:
                 raise OptionsError("--ranks-per-node sizes the jobs of --launcher slurm when Slurm picks the nodes "
                                    "(without --hosts, which says the ranks of each host)")
-            _whole(self.ranks_per_node, "--ranks-per-node", 1)
+            require_whole(self.ranks_per_node, "--ranks-per-node", 1)
         if self.launcher != "local" or self.attached:
             if self.gpus:
                 raise OptionsError("--gpus picks GPUs of this machine; with a cluster launcher the scheduler "
@@ -393,5 +386,5 @@ class FleetOptions:
             if self.n is None and not self.attached:
                 raise OptionsError(f"--launcher {self.launcher} needs -n (how many engines to start)")
             if self.n is not None:
-                _whole(self.n, "-n", 1)
+                require_whole(self.n, "-n", 1)
         return self

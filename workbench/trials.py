@@ -116,7 +116,7 @@ def tune(step: Callable | str, model: Any, batch: Callable | str, optimizer: Cal
     if STATE.spec is None:
         raise RuntimeError("workbench.tune runs on the ranks of a fleet: call it in a %%distributed cell")
     options = replace(options, **option_values) if options is not None else TuneOptions(**option_values)
-    nodes = STATE.spec.world_size // max(1, STATE.spec.local_world_size)
+    nodes = STATE.spec.nodes
     options = options.validate(STATE.device.type, STATE.spec.world_size, nodes)
     step, batch = _named(step, "step"), _named(batch, "batch")
     build = _model_builder(_named(model, "model"))

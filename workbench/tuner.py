@@ -12,7 +12,7 @@ from .trials import TuneResult, tune
 def tune_fleet(fleet, step, model, batch, optimizer, options: TuneOptions) -> TuneResult:
     """Run :func:`workbench.trials.tune` on every rank; apply the fastest configuration that fit
     (``options.apply``): the fleet's ``cell_defaults`` and ``micro_batch_size`` on every rank."""
-    options.validate(fleet.device_type, fleet.world_size, len({m.host for m in fleet.members}) or 1)
+    options.validate(fleet.device_type, fleet.world_size, fleet.nodes)
     result: TuneResult = fleet.run(tune, step, model, batch, optimizer, options, options=fleet.cell_defaults)[0]
     best = result.best
     if best is None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from ..errors import OptionsError
+from typing import Literal, get_args
+
+from ..errors import OptionsError, require_whole
 
 COMM_HOOKS = ("fp16", "bf16", "powersgd")
-SCHEDULES = ("gpipe", "1f1b")
+Schedule = Literal["gpipe", "1f1b"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
 def parse_comm_hook(text: str) -> tuple[str, int]:
@@ -24,16 +27,11 @@ def parse_comm_hook(text: str) -> tuple[str, int]:
     return name, value
 
 
-def _whole(value, flag: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptionsError(f"{flag} must be a whole number >= 1 (got {value!r})")
-
-
 def check_parallel(options, world: int | None, nodes: int = 1, backend: str | None = None) -> None:
     """Raise :class:`OptionsError` for parallelism flags that do not fit together or the world."""
-    _whole(options.tp, "--tp")
-    _whole(options.pp, "--pp")
-    _whole(options.microbatches, "--microbatches")
+    require_whole(options.tp, "--tp", 1)
+    require_whole(options.pp, "--pp", 1)
+    require_whole(options.microbatches, "--microbatches", 1)
     if options.comm_hook is not None:
         parse_comm_hook(options.comm_hook)
         if options.strategy != "ddp" or options.custom_parallel:
