@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from workbench import CellOptions, Fleet, OptionsError
+from workbench.parallel import ParallelPlan
 
 
 @pytest.mark.parametrize(("options", "world", "message"), [
@@ -33,6 +34,21 @@ def test_impossible_combinations_are_refused_in_one_line(options, world, message
     with pytest.raises(OptionsError, match=message) as caught:
         CellOptions(**options).validate("cpu", world, backend="gloo")
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("options", "world", "nodes", "degrees", "mesh"), [
+    (dict(), 4, 1, (4, 1, 1, 1), None),  # ddp: every rank a replica
+    (dict(strategy="fsdp"), 4, 1, (1, 4, 1, 1), None),
+    (dict(strategy="hsdp"), 4, 2, (2, 2, 1, 1), ((2, 2), ("replicate", "shard"))),  # shard in a node
+    (dict(strategy="hsdp", mesh="1x4"), 4, 2, (1, 4, 1, 1), ((1, 4), ("replicate", "shard"))),
+    (dict(strategy="fsdp", tp=2), 4, 1, (1, 2, 2, 1), ((2, 2), ("dp", "tp"))),
+    (dict(tp=2), 2, 1, (1, 1, 2, 1), ((1, 2), ("dp", "tp"))),
+    (dict(strategy="none", pp=4), 4, 1, (1, 1, 1, 4), ((4,), ("pp",))),
+])
+def test_a_cells_plan_has_one_degree_per_dimension_whose_product_is_the_world(options, world, nodes, degrees, mesh):
+    plan = ParallelPlan.of(CellOptions(**options), world, nodes)
+    assert (plan.replicate, plan.shard, plan.tp, plan.pp) == degrees and plan.ranks == world
+    assert plan.mesh_dims == mesh
 
 
 def test_the_fleet_refuses_before_anything_runs(fleet):

@@ -19,6 +19,7 @@ from typing import Literal, get_args
 from .errors import OptionsError, require_whole
 from .launcher_kinds import kind_of, launcher_names
 from .parallel.options import Schedule, check_parallel
+from .parallel.plan import ParallelPlan
 
 Strategy = Literal["ddp", "fsdp", "hsdp", "none"]
 Precision = Literal["no", "fp16", "bf16"]
@@ -128,13 +129,6 @@ class CellOptions:
         """workbench, not accelerate, shards or splits the model (hsdp, tp, pp)."""
         return self.strategy == "hsdp" or self.tp > 1 or self.pp > 1
 
-    def mesh_shape(self, world_size: int, nodes: int = 1) -> tuple[int, int]:
-        """hsdp's (replicate, shard) sizes: ``--mesh``, or shard inside a node, replicate across nodes."""
-        if self.mesh is None:
-            return (nodes, world_size // nodes) if world_size % nodes == 0 else (1, world_size)
-        replicate, _, shard = self.mesh.lower().partition("x")
-        return int(replicate), int(shard)
-
     def validate(self, device_type: str, world_size: int | None = None, nodes: int = 1,
                  backend: str | None = None) -> "CellOptions":
         """Raise :class:`OptionsError` for a combination that cannot work on ``device_type``
@@ -154,7 +148,10 @@ class CellOptions:
             if self.strategy not in ("fsdp", "hsdp"):
                 raise OptionsError(f"--fsdp-wrap chooses FSDP units: use it with --strategy fsdp or hsdp "
                                    f"(not {self.strategy})")
-        check_parallel(self, world_size, nodes, backend)
+        if world_size is None:
+            check_parallel(self, None, nodes, backend)
+        else:  # the degrees too: their product is the world
+            ParallelPlan.of(self, world_size, nodes, backend)
         return self
 
     def to_dict(self) -> dict:

@@ -45,9 +45,10 @@ def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
     if options.mixed_precision == "bf16" and device_type == "cpu":
         _warn_if_bf16_is_emulated(state.process_index)
     if options.custom_parallel:  # workbench.parallel shards or splits the model; accelerate only places it
-        from .parallel.model import build_mesh
+        from .parallel.plan import ParallelPlan
 
-        accelerator.workbench_mesh = build_mesh(options, state.num_processes, nodes, device_type)
+        plan = ParallelPlan.of(options, state.num_processes, nodes)
+        accelerator.workbench_mesh = plan.build_mesh(device_type)
     accelerator.workbench_options = options
     # ddp and none keep accelerate's own distributed type (MULTI_CPU / MULTI_GPU), so the rank is
     # the distributed environment `accelerate launch` gives; `none` only skips wrapping the model

@@ -8,12 +8,16 @@
 - ``--activation-checkpointing``: torch's checkpoint wrapper on each block;
 - ``--fsdp-wrap``: which blocks become their own FSDP2 units (:mod:`.fsdp`).
 
+:class:`ParallelPlan` (:mod:`.plan`) decides a cell's degrees and mesh once, from its options
+and the world, checked against the rules of :mod:`.options`.
+
 :func:`prepare_model` applies these in ``accelerator.prepare``
 (:mod:`workbench.metrics.instrument`); accelerate then only places the model,
 and wraps optimizers, schedulers and dataloaders as usual.
 """
 
 from .fsdp import UnshardedPeak, blocks, fsdp_unit_count, fsdp_units
-from .model import build_mesh, prepare_model
+from .model import prepare_model
+from .plan import ParallelPlan
 
-__all__ = ["UnshardedPeak", "blocks", "build_mesh", "fsdp_unit_count", "fsdp_units", "prepare_model"]
+__all__ = ["ParallelPlan", "UnshardedPeak", "blocks", "fsdp_unit_count", "fsdp_units", "prepare_model"]

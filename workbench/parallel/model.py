@@ -7,20 +7,6 @@ import weakref
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
-def build_mesh(options, world_size: int, nodes: int, device_type: str):
-    """The DeviceMesh of hsdp (replicate, shard), --tp (dp, tp) or --pp (pp); None otherwise."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if options.strategy == "hsdp":
-        return init_device_mesh(device_type, options.mesh_shape(world_size, nodes),
-                                mesh_dim_names=("replicate", "shard"))
-    if options.tp > 1:
-        return init_device_mesh(device_type, (world_size // options.tp, options.tp), mesh_dim_names=("dp", "tp"))
-    if options.pp > 1:
-        return init_device_mesh(device_type, (options.pp,), mesh_dim_names=("pp",))
-    return None
-
-
 def checkpoint_activations(model) -> int:
     """Recompute each block's activations in backward (torch's checkpoint wrapper); returns how many."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (

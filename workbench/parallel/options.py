@@ -74,7 +74,3 @@ def check_parallel(options, world: int | None, nodes: int = 1, backend: str | No
                            f"{world // options.tp}: shard it with --strategy fsdp")
     if options.pp > 1 and options.pp != world:
         raise OptionsError(f"--pp {options.pp} must equal the world size ({world}): one stage per rank")
-    if options.strategy == "hsdp":
-        replicate, shard = options.mesh_shape(world, nodes)
-        if replicate * shard != world:
-            raise OptionsError(f"--mesh {options.mesh} has {replicate * shard} ranks but the fleet has {world}")
