@@ -12,7 +12,7 @@ def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
     """Create the ``accelerate.Accelerator`` for ``options`` on this rank.
 
     Its ``prepare`` also adds workbench's step and communication measurements
-    (:mod:`workbench.metrics.instrument`; :func:`accelerator_class`). The process group must already exist. accelerate enables FSDP only for
+    (:mod:`workbench.instrument`; :func:`accelerator_class`). The process group must already exist. accelerate enables FSDP only for
     GPU-like device types and silently wraps DDP on CPU; for ``fsdp`` on CPU
     the state is switched to FSDP explicitly, which accelerate's FSDP2 path
     supports on gloo (parameters become DTensor shards). Every other strategy keeps
@@ -90,7 +90,7 @@ def accelerator_class():
     if _ACCELERATOR_CLASS is None:
         from accelerate import Accelerator
 
-        from .metrics.instrument import instrument
+        from .instrument import instrument
         from .metrics.logger import LOGGER
 
         class WorkbenchAccelerator(Accelerator):

@@ -12,7 +12,7 @@
 and the world, checked against the rules of :mod:`.options`.
 
 :func:`prepare_model` applies these in ``accelerator.prepare``
-(:mod:`workbench.metrics.instrument`); accelerate then only places the model,
+(:mod:`workbench.instrument`); accelerate then only places the model,
 and wraps optimizers, schedulers and dataloaders as usual.
 """
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import time
 
-from ..data_position import track
-from .comm import CommClock
+from .data_position import track
+from .metrics.comm import CommClock
 
 
 def _timed_comm_hook(clock: CommClock, inner):
@@ -138,7 +138,7 @@ def instrument(obj, logger, options=None) -> None:
             elif hook is None:
                 logger.comm.watch_ddp(obj)
             else:
-                from ..parallel.hooks import comm_hook
+                from .parallel.hooks import comm_hook
 
                 state, inner = comm_hook(hook)
                 obj.register_comm_hook(state, _timed_comm_hook(logger.comm, inner))
