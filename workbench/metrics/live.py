@@ -44,13 +44,13 @@ class FleetMetrics:
                  network: bool = False) -> None:
         self.run_id = run_id
         self.run_dir = run_dir
-        self.sinks = open_sinks(RunInfo(run_id, run_dir, world_size, config), wandb, tensorboard, sinks)
+        self.sinks = open_sinks(RunInfo(run_id, run_dir, world_size, config), wandb, tensorboard, sinks)  # as opened
         self.collector = MetricsCollector(run_dir, runtime_dir, self.sinks, network=network)
         self._dashboard = None
 
     def update_config(self, values: dict) -> None:
-        """The run's config grew: every sink is told."""
-        for sink in self.sinks:
+        """The run's config grew: every sink still writing is told."""
+        for sink in self.collector.sinks:
             sink.update_config(values)
 
     def locations(self) -> dict[str, str | None]:
