@@ -25,7 +25,7 @@ SESSION = os.environ.setdefault("WORKBENCH_TEST_SESSION", f"{os.getpid()}-{time.
 # the slow tier (marked ``fleet``); a test that starts one itself carries @pytest.mark.fleet
 SLOW_FIXTURES = {"fleet", "kernel", "elastic", "three_ranks", "four", "hosts", "slurm_conf", "lab", "page",
                  "trained_run", "server", "ipcluster", "slurm", "s3", "s3_fleet", "panel", "torchrun_reference",
-                 "tuned_fleet"}
+                 "tuned_fleet", "shared_fleet"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -128,9 +128,18 @@ def reference(fleet, tmp_path, stop: int, options: CellOptions | None = None):
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def shared_fleet():
     with Fleet(n=2, progress=False, wandb=False) as f:
         yield f
+
+
+@pytest.fixture
+def fleet(shared_fleet):
+    """The module's fleet; one a failed test left half-recovered or with a dead rank (a native
+    crash of a rank) is recovered before the next test, which would otherwise fail on it."""
+    yield shared_fleet
+    if shared_fleet.unfinished is not None or shared_fleet.pool.dead_ranks(settle_s=0.5) or shared_fleet.fresh_ranks:
+        shared_fleet.recover()
 
 
 def resize(fleet, n: int) -> None:

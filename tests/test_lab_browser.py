@@ -316,10 +316,23 @@ def _chart_range(panel) -> tuple[float, float]:
     return float(svg.get_attribute("data-xmin")), float(svg.get_attribute("data-xmax"))
 
 
+def _visible_box(locator, timeout: float = 10.0) -> dict:
+    """``locator``'s box once it is on screen: the panel redraws its charts as data comes (a
+    chart replaced right then has no box yet), and one below the fold is scrolled to first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        locator.scroll_into_view_if_needed(timeout=timeout * 1000)
+        box = locator.bounding_box()
+        if box is not None or time.monotonic() > deadline:
+            assert box is not None, "the chart never came on screen"
+            return box
+        time.sleep(0.2)
+
+
 def _hover_and_zoom(page, panel):
     """Hovering names each rank's value at the step under the pointer; a drag zooms into
     those steps; a double click zooms out."""
-    box = panel.locator(".wb-chart-loss svg").bounding_box()
+    box = _visible_box(panel.locator(".wb-chart-loss svg"))
     page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.4)
     tip = panel.locator(".wb-chart-loss .wb-chart-tip")
     tip.wait_for(timeout=5_000)
