@@ -369,6 +369,10 @@ def _compare_two_runs(page, panel, root):
     runs = panel.locator(".wb-runs .wb-run")
     first_run, second_run = runs.nth(1).get_attribute("data-run"), runs.nth(0).get_attribute("data-run")
     assert sorted(p.name for p in (root / "notebooks" / "workbench-runs").iterdir()) == [first_run, second_run]
+    # the run's record says stopped a moment before the kernel's state reaches the panel; a past run is
+    # shown only once the panel knows no fleet runs (before, it says so and shows the live one)
+    page.wait_for_function(f"document.querySelector('.wb-status').textContent.includes('no fleet running (last run "
+                           f"{second_run})')", timeout=30_000)
     runs.nth(0).click()
     page.wait_for_function(f"document.querySelector('.wb-message').textContent.includes('run {second_run} (from disk)')",
                            timeout=30_000)
