@@ -79,6 +79,23 @@ def _shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"lab-panel-{name}.png"))
 
 
+_PANEL_STATE_CODE = """import json, workbench.panel as wp, workbench.magics as wm
+fleet = wm.current_fleet()
+print('fresh ranks', fleet and fleet.fresh_ranks, [(c.last_error, c.thread.is_alive(), json.loads(c.sent_state or '{}').get('needs_recover')) for c in wp._comms.values()])"""
+
+
+def _kernel_output(page, code: str) -> str:
+    """What ``code`` prints in the notebook's kernel (run beside the panel, as a diagnosis)."""
+    return page.evaluate("""async code => {
+        const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+        const out = [];
+        const future = kernel.requestExecute({code, store_history: false});
+        future.onIOPub = msg => { if (msg.content.text || msg.content.evalue) out.push(msg.content.text || msg.content.evalue); };
+        await future.done;
+        return out.join('');
+    }""", code)
+
+
 def _engines(page) -> list[dict]:
     return page.eval_on_selector_all(
         ".wb-engines tbody tr",
@@ -275,7 +292,11 @@ def _panel_walkthrough(lab, page):
     engines = _wait_engines(page, 3, timeout_s=120)
     # the new engine shows once it registered; Recover disables when the recovery has finished
     # (setup replay and restore come after)
-    page.wait_for_function("document.querySelector('button[data-action=recover]').disabled", timeout=60_000)
+    try:
+        page.wait_for_function("document.querySelector('button[data-action=recover]').disabled", timeout=60_000)
+    except playwright_api.TimeoutError:
+        print("the kernel's panel state after recover:", _kernel_output(page, _PANEL_STATE_CODE))
+        raise
     engines = _engines(page)
     assert int(engines[2][4]) != pids[2] and recover.is_disabled()
     page.wait_for_function("document.querySelector('.wb-message').textContent.includes('recover')", timeout=30_000)

@@ -76,6 +76,16 @@ def test_a_loop_that_only_logs_after_training_keeps_its_records_apart():
     assert _labels(logger) == [0, 1, 2, 3] and logger.step == 1
 
 
+def test_a_rank_whose_step_was_restored_labels_its_first_record_with_that_step():
+    """A rank added by a scale (or replaced by a recover) gets the step from the checkpoint or a
+    survivor; a log before any training labels that step, as the survivors' logs do (it said 0)."""
+    logger = _trainer()
+    logger.step = 20  # restored (workbench.engine.set_step, checkpoint restore)
+    logger.log(None, {"loss": 1.0})
+    logger.log(None, {"loss": 1.0})
+    assert _labels(logger) == [20, 21]
+
+
 def test_a_collective_wait_restarts_when_the_rank_makes_progress(monkeypatch):
     """Was: the wait clock was keyed on the collective frame's id, which the next step reuses, so
     a slow link summed many steps' waits into one (a false MismatchedCollective after 32 s of DDP

@@ -200,7 +200,9 @@ class MetricsLogger:
         if step is None:
             # the step in flight; with no training since the last record (a loop that only logs),
             # the step after the last record's, so such records stay apart and in order
-            step = self.step if self._trained_since_record or not self.optimizer_driven else self._last_label + 1
+            # (never below the counter: a rank whose step was restored has no record of its own yet)
+            step = self.step if self._trained_since_record or not self.optimizer_driven else \
+                max(self._last_label + 1, self.step)
         else:
             step = int(step)
         if not self.optimizer_driven:  # no optimizer: each record is a step
