@@ -72,7 +72,7 @@ def kill_and_recover() -> tuple[float, float]:
             except DistributedCellError as exc:
                 outcome["failed_at"] = exc.failed_at
 
-        fleet.auto_recover = False
+        fleet.options.auto_recover = False
         worker = threading.Thread(target=train)
         worker.start()
         time.sleep(2)
@@ -80,7 +80,7 @@ def kill_and_recover() -> tuple[float, float]:
         os.kill(fleet.member(1).pid, signal.SIGKILL)
         worker.join()
         detected = outcome["failed_at"] - killed
-        fleet.auto_recover = True
+        fleet.options.auto_recover = True
         fleet.recover()  # the one recovery recipe: the replaced rank is set up like the others
         fleet.checkpoints.save(tag="before-kill")
         killed = time.time()

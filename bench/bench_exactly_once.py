@@ -118,7 +118,7 @@ def main() -> dict:
             f"{_counts(path, [4] * 12)} (sources: ranks {recovered['sources']})"
         result["hsdp recover: max |param - uninterrupted|"] = _diff(
             ref4, fleet.run(probe.FULL_PARAMS, options=hsdp, show_output=False)[0])
-        fleet.setup_cells = []
+        fleet.session.forget_setup()
     return report("exactly_once", result)
 
 

@@ -76,14 +76,14 @@ def main(duration: float = DURATION_S, strategy: str = "ddp", ranks: int = RANKS
                 print(f"killed pid {victim}", flush=True)
 
         thread = threading.Thread(target=killer, daemon=True)
-        restarts = fleet.restarts
+        restarts = fleet.session.restarts
         thread.start()
         try:
             steps, wall = train_until(fleet, duration, strategy)
         finally:
             stop.set()
         useful = steps / wall
-        restarts = fleet.restarts - restarts
+        restarts = fleet.session.restarts - restarts
     return report(f"soak_elastic_goodput_{strategy}", {
         "strategy": strategy,
         "ranks": ranks,

@@ -426,7 +426,7 @@ def test_sigkill_of_a_rank_during_a_save_keeps_the_last_checkpoint(fleet, tmp_pa
             assert fleet.recover()["checkpoint"] == good
             assert len(fleet.run("rank", show_output=False)) == 2, "the dead rank was replaced"
     finally:
-        fleet.setup_cells = []
+        fleet.session.forget_setup()
     assert fleet.checkpoints.save(tag="after-kills") == "after-kills"
 
 
@@ -454,5 +454,5 @@ def test_a_rank_killed_during_an_async_save_does_not_break_the_recovery(fleet, t
         assert len(fleet.run("rank", strategy="fsdp", show_output=False)) == 2
     finally:
         gate.touch()
-        fleet.setup_cells = []
+        fleet.session.forget_setup()
         ungate_checkpoint_writes(fleet)

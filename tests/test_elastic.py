@@ -41,12 +41,12 @@ def _equal(a, b):
 
 @contextlib.contextmanager
 def hang_timeout(fleet, seconds: float):
-    """Run with ``fleet.hang_timeout = seconds``; back to what it was afterwards."""
-    before, fleet.hang_timeout = fleet.hang_timeout, seconds
+    """Run with ``fleet.options.hang_timeout = seconds``; back to what it was afterwards."""
+    before, fleet.options.hang_timeout = fleet.options.hang_timeout, seconds
     try:
         yield
     finally:
-        fleet.hang_timeout = before
+        fleet.options.hang_timeout = before
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,7 @@ def test_an_engine_killed_during_scale_is_replaced_and_the_scale_completes(elast
         del fleet.pool.add_engines
     assert time.monotonic() - started < 60
     assert re.search(r"rank 1 of \d died \(engine", capfd.readouterr().err)
-    assert victim not in {m.pid for m in fleet.members} and fleet.world_size == 3 and not fleet.fresh_ranks
+    assert victim not in {m.pid for m in fleet.members} and fleet.world_size == 3 and not fleet.session.fresh_ranks
     for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
         _equal(before, got)
     fleet.scale(2)
@@ -284,12 +284,12 @@ def test_auto_recover_reruns_the_cell_and_reaches_the_uninterrupted_result(elast
     reference_loss = fleet.run(LOOP.format(target=target, save=False), strategy="fsdp", show_output=False)
     reference = fleet.run(SNAPSHOT, strategy="fsdp", show_output=False)[0]
     fleet.checkpoints.restore(start)
-    fleet.auto_recover, fleet.max_restarts, fleet.restarts = True, 1, 0
+    fleet.options.auto_recover, fleet.options.max_restarts, fleet.session.restarts = True, 1, 0
     try:
         outcome = _signal_during_training(fleet, target, fleet.member(1).pid, signal.SIGKILL)
     finally:
-        fleet.auto_recover = False
-    assert fleet.restarts == 1, "recovered once, then the cell ran again to the end"
+        fleet.options.auto_recover = False
+    assert fleet.session.restarts == 1, "recovered once, then the cell ran again to the end"
     assert outcome["loss"] == pytest.approx(reference_loss, rel=1e-5)
     for got in fleet.run(SNAPSHOT, strategy="fsdp", show_output=False):
         assert got[2] == target
@@ -329,13 +329,13 @@ def test_a_frozen_rank_is_caught_by_its_heartbeat_and_auto_recovered(elastic):
     fleet.execute(SETUP, fleet_options("fsdp"), show_output=False, setup=True)
     target = fleet.run("workbench.step", strategy="fsdp", show_output=False)[0] + 80
     frozen = fleet.member(1).pid
-    fleet.auto_recover, fleet.max_restarts, fleet.restarts = True, 1, 0
+    fleet.options.auto_recover, fleet.options.max_restarts, fleet.session.restarts = True, 1, 0
     try:
         with hang_timeout(fleet, 3.0):
             outcome = _signal_during_training(fleet, target, frozen, signal.SIGSTOP)
     finally:
-        fleet.auto_recover = False
-    assert fleet.restarts == 1 and "loss" in outcome
+        fleet.options.auto_recover = False
+    assert fleet.session.restarts == 1 and "loss" in outcome
     assert fleet.run("workbench.step", strategy="fsdp", show_output=False) == [target, target]
     assert not wait_until_gone([frozen], timeout=10), "the frozen engine was killed"
 
@@ -533,7 +533,7 @@ def test_a_slow_rank_is_flagged_and_replaced_keeping_the_state(elastic, capfd):
     for it in DDP's all-reduce) is flagged; --auto-replace-stragglers swaps it for a fresh
     engine after the cell, with the survivors' state, and the next cell has no straggler."""
     fleet = elastic
-    fleet.restarts = 0  # earlier tests may have spent the budget
+    fleet.session.restarts = 0  # earlier tests may have spent the budget
     fleet.execute(SETUP, fleet_options("ddp"), show_output=False, setup=True)
     fleet.run(TRAIN, show_output=False)
     assert fleet.stragglers() == {}
@@ -562,4 +562,4 @@ def test_a_slow_rank_is_flagged_and_replaced_keeping_the_state(elastic, capfd):
         _equal(got, after[0])  # every rank has the same state
     fleet.run(SLOW_TRAIN, show_output=False)  # the fresh engine is not slow
     assert fleet.stragglers() == {}
-    fleet.restarts = 0
+    fleet.session.restarts = 0

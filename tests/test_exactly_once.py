@@ -105,7 +105,7 @@ def assert_same_params(a, b) -> None:
 
 def fresh_start(fleet, options: CellOptions | None = None, setup: str = SETUP) -> None:
     """The setup cells again on every rank, at step 0 (a new run on the same engines)."""
-    fleet.setup_cells = []
+    fleet.session.forget_setup()
     fleet.execute(setup, options or CellOptions(), show_output=False, setup=True)
     fleet.execute(TRAIN, options or CellOptions(), show_output=False, setup=True)
     fleet.run("workbench.step = 0", show_output=False)
@@ -138,7 +138,7 @@ def fleet(shared_fleet):
     """The module's fleet; one a failed test left half-recovered or with a dead rank (a native
     crash of a rank) is recovered before the next test, which would otherwise fail on it."""
     yield shared_fleet
-    if shared_fleet.unfinished is not None or shared_fleet.pool.dead_ranks(settle_s=0.5) or shared_fleet.fresh_ranks:
+    if shared_fleet.unfinished is not None or shared_fleet.pool.dead_ranks(settle_s=0.5) or shared_fleet.session.fresh_ranks:
         shared_fleet.recover()
 
 
@@ -252,7 +252,7 @@ def test_hsdp_recovery_takes_each_lost_shard_from_its_replica(fleet, tmp_path, v
     try:
         _recover_hsdp(fleet, tmp_path, victims, live)
     finally:
-        fleet.setup_cells = []  # the next test's resize must not replay a 2x2 mesh
+        fleet.session.forget_setup()  # the next test's resize must not replay a 2x2 mesh
 
 
 def _recover_hsdp(fleet, tmp_path, victims, live):
@@ -296,13 +296,13 @@ def test_auto_recover_reruns_the_cell_from_the_live_state(fleet, tmp_path):
     resize(fleet, 3)
     path = str(tmp_path / "auto.jsonl")
     fresh_start(fleet)
-    fleet.auto_recover, fleet.restarts = True, 0
+    fleet.options.auto_recover, fleet.session.restarts = True, 0
     try:
         # run again after the recovery, the cell goes on from step 5: no rank is at step 5 after a step
         train(fleet, 10, 0, path, kill_at=5, victims=(2,))
     finally:
-        fleet.auto_recover = False
-    assert fleet.restarts == 1
+        fleet.options.auto_recover = False
+    assert fleet.session.restarts == 1
     assert fleet.run("workbench.step", show_output=False) == [10] * 3
     assert_exactly_once(path, [3] * 10)
 
@@ -361,7 +361,7 @@ def test_iterable_dataset_resumes_exactly_and_refuses_what_cannot_move(fleet):
     """An HF IterableDataset, dispatched by accelerate (rank 0 reads, every rank gets its part)."""
     resize(fleet, 2)
     none = CellOptions(strategy="none")
-    fleet.setup_cells = []
+    fleet.session.forget_setup()
     fleet.execute(ITERABLE, none, show_output=False, setup=True)
     fleet.run("workbench.step = 0", strategy="none", show_output=False)
     first = fleet.run("take(5)", strategy="none", show_output=False)
@@ -393,7 +393,7 @@ def test_an_iterable_each_rank_reads_its_own_part_of_resumes_at_its_size_only(fl
     sharded = ITERABLE.replace("model, optimizer, loader = accelerator.prepare(",
                                "accelerator.dataloader_config.dispatch_batches = False\n"
                                "model, optimizer, loader = accelerator.prepare(")
-    fleet.setup_cells = []
+    fleet.session.forget_setup()
     fleet.execute(sharded, none, show_output=False, setup=True)
     fleet.run("workbench.step = 0", strategy="none", show_output=False)
     first = fleet.run("take(4)", strategy="none", show_output=False)

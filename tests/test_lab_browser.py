@@ -81,7 +81,7 @@ def _shot(page, name: str) -> None:
 
 _PANEL_STATE_CODE = """import json, workbench.panel as wp, workbench.magics as wm
 fleet = wm.current_fleet()
-print('fresh ranks', fleet and fleet.fresh_ranks, [(c.last_error, c.thread.is_alive(), json.loads(c.sent_state or '{}').get('needs_recover')) for c in wp._comms.values()])"""
+print('fresh ranks', fleet and fleet.session.fresh_ranks, [(c.last_error, c.thread.is_alive(), json.loads(c.sent_state or '{}').get('needs_recover')) for c in wp._comms.values()])"""
 
 
 def _kernel_output(page, code: str) -> str:

@@ -149,7 +149,7 @@ KERNEL_LAYERS = [
     ["workbench.devices", "workbench.flags", "workbench.output", "workbench.runs", "workbench.ranklogs",
      "workbench.reaper", "workbench.launchers", "workbench.metrics.store", "workbench.metrics.step_rows",
      "workbench.metrics.summary", "workbench.metrics.sinks", "workbench.metrics.tensorboard_sink",
-     "workbench.metrics.wandb_sink", "workbench.notices", "workbench.run_record"],
+     "workbench.metrics.wandb_sink", "workbench.notices", "workbench.run_record", "workbench.session_state"],
     ["workbench.processes", "workbench.metrics.collector", "workbench.metrics.stragglers", "workbench.metrics.dashboard",
      "workbench.watchdog"],
     ["workbench.pool", "workbench.metrics.live", "workbench.execution", "workbench.export"],

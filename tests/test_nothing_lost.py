@@ -30,7 +30,7 @@ def fleet():
 
 def _fsdp_trained_3_steps(fleet) -> list:
     """A fresh FSDP setup cell, 3 steps; the full parameters."""
-    fleet.setup_cells = []
+    fleet.session.forget_setup()
     fleet.execute(SETUP, CellOptions(strategy="fsdp"), show_output=False, setup=True)
     fleet.run("workbench.step = 0", strategy="fsdp", show_output=False)
     fleet.run(TRAIN, strategy="fsdp", show_output=False)
@@ -63,7 +63,7 @@ def test_replacing_a_healthy_fsdp_rank_saves_its_shard_first(fleet):
 def test_a_dead_ranks_dataloader_workers_do_not_hold_the_survivors(fleet):
     """Was: the survivor was never released (the dead rank's forked workers kept its gloo sockets),
     was killed after ~10 s and recovery started at step 0."""
-    fleet.setup_cells = []
+    fleet.session.forget_setup()
     fleet.execute(SETUP + """
 from torch.utils.data import DataLoader, TensorDataset
 loader = accelerator.prepare(DataLoader(TensorDataset(torch.randn(4096, 16)), batch_size=8, num_workers=2))
@@ -165,7 +165,7 @@ def test_an_interrupt_at_any_phase_of_scale_or_recover_loses_nothing(fleet):
 
     from workbench import FleetError
 
-    fleet.setup_cells = []
+    fleet.session.forget_setup()
     if fleet.world_size != 3:
         fleet.scale(3)
     fleet.execute(SETUP, CellOptions(), show_output=False, setup=True)

@@ -99,7 +99,7 @@ def test_tune_flags_and_the_defaults_filled_in_for_a_fleet():
 
 def test_fleet_takes_the_fields_and_names_the_nearest_for_a_typo():
     fleet = Fleet(n=2, spares=1, auto_recover=True, wandb=False)
-    assert (fleet.options.spares, fleet.auto_recover, fleet.options.wandb) == (1, True, False)
+    assert (fleet.options.spares, fleet.options.auto_recover, fleet.options.wandb) == (1, True, False)
     same = Fleet(options=FleetOptions(n=2, spares=1, auto_recover=True, wandb=False))
     assert same.options == fleet.options
     with pytest.raises(OptionsError, match=r"^Fleet\(\) has no option 'spars'; did you mean 'spares'\?"):

@@ -52,12 +52,12 @@ def test_a_cells_plan_has_one_degree_per_dimension_whose_product_is_the_world(op
 
 
 def test_the_fleet_refuses_before_anything_runs(fleet):
-    cells = fleet.cells_run
+    cells = fleet.session.cells_run
     with pytest.raises(OptionsError, match="larger than the world"):
         fleet.run("1", options=CellOptions(tp=4), show_output=False)
     with pytest.raises(OptionsError, match="drop --ranks"):
         fleet.run("1", options=CellOptions(tp=2), ranks=[0], show_output=False)
-    assert fleet.cells_run == cells, "no cell was sent"
+    assert fleet.session.cells_run == cells, "no cell was sent"
 
 
 DDP_TRAIN = """

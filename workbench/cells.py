@@ -58,8 +58,9 @@ def _refuse_unrecovered(fleet) -> None:
     cells before %fleet recover would leave ranks at different steps and parameters (and end in
     a collective timeout)."""
     refuse_if_unfinished(fleet)
-    if fleet.fresh_ranks and not fleet.replaying:
-        raise FleetError(f"rank {','.join(map(str, fleet.fresh_ranks))} was replaced by a fresh engine (empty "
+    fresh = fleet.session.fresh_ranks
+    if fresh and not fleet.session.replaying:
+        raise FleetError(f"rank {','.join(map(str, fresh))} was replaced by a fresh engine (empty "
                          "namespace); run %fleet recover first, so that every rank has the same state")
 
 
@@ -73,8 +74,7 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
     refuse_if_unfinished(fleet)  # before a dead engine's message: the command left engines half set up
     recover_if_dead(fleet)
     _refuse_unrecovered(fleet)
-    fleet.cells_run += 1
-    name = f"distributed-cell-{fleet.cells_run}"
+    name = fleet.session.next_cell_name()
     args = (code, options.to_dict(), name, return_value, not return_value, stop_on_nan)
     try:
         with _recorded(fleet, name, options, chosen, setup) as replies:
@@ -90,12 +90,9 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
         return execute(fleet, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
                        show_output=show_output, setup=setup, show_all_progress=show_all_progress,
                        stop_on_nan=stop_on_nan)
-    if setup:
-        fleet.setup_cells = [c for c in fleet.setup_cells if c[0] != code] + [(code, options)]
-    elif ranks is None and not fleet.replaying:
-        fleet.training_cell = (code, options)
+    fleet.session.cell_ran(code, options, setup=setup, on_every_rank=ranks is None)
     fleet.adopt_spares()  # spares that registered while the cell ran get warm now
-    if not fleet.replaying:
+    if not fleet.session.replaying:
         handle_stragglers(fleet)
     return result
 

@@ -35,7 +35,7 @@ class _Phases:
     """Shows ``what: phase…  done-phase 1.2s …`` while phases run, and keeps their seconds."""
 
     def __init__(self, fleet, what: str) -> None:
-        self.progress = ProgressLine(fleet.progress)
+        self.progress = ProgressLine(fleet.options.progress)
         self.what = what
         self.timings: dict[str, float] = {}
         self.current: str | None = None  # the phase running (where an interrupt stopped it)
@@ -82,7 +82,7 @@ def _changing(fleet, unfinished: Unfinished):
 
 
 def refuse_if_unfinished(fleet) -> None:
-    if fleet.unfinished is not None and not fleet.replaying:
+    if fleet.unfinished is not None and not fleet.session.replaying:
         raise FleetError(fleet.unfinished.describe())
 
 
@@ -173,29 +173,26 @@ def _live_sources(fleet, sources: list | None) -> list | None:
 
 def _replay_and_restore(fleet, phases: _Phases, tag: str, sources: list | None = None) -> dict:
     def replay():
-        fleet.replaying = True
-        try:
-            for code, options in fleet.setup_cells:
+        with fleet.session.replay() as cells:
+            for code, options in cells:
                 fleet.execute(code, options, show_output=False)
-        finally:
-            fleet.replaying = False
 
-    phases.run("setup", f"replaying {len(fleet.setup_cells)} setup cell(s)", replay)
+    phases.run("setup", f"replaying {len(fleet.session.setup_cells)} setup cell(s)", replay)
     pairs = _live_sources(fleet, sources)
     if pairs is not None:
         ranks = sorted(rank for _, rank in pairs)
         names = f"rank {ranks[0]}'s live state" if len(ranks) == 1 else \
             f"the live shards of ranks {','.join(map(str, ranks))}"
         report = phases.run("restore", f"sending {names} to every rank", fleet.checkpoints.from_replica, pairs)
-        fleet.fresh_ranks = []
+        fleet.session.every_rank_has_state()
         return {"tag": None, "source": ranks[0], "sources": ranks, **report}
     if tag == "latest" and not [e for e in fleet.checkpoints.list() if e.state == "complete"]:
         # nothing saved yet: every rank starts again from the setup state, survivors included
         fleet.client[fleet.engine_ids()].apply_async(engine.set_step, 0).get()
-        fleet.fresh_ranks = []
+        fleet.session.every_rank_has_state()
         return {"tag": None, "step": 0, "restored": []}
     report = phases.run("restore", "restoring (resharded)", fleet.checkpoints.restore, tag)
-    fleet.fresh_ranks = []  # a rank replaced on the way (dead before joining) has the state now too
+    fleet.session.every_rank_has_state()  # a rank replaced on the way (dead before joining) has it too
     return report
 
 
@@ -224,12 +221,12 @@ def auto_recover(fleet, what: str, again: bool = False, replace: list[int] = ())
     """With ``--auto-recover`` (or ``replace``: --auto-replace-stragglers) and restarts left:
     say ``what`` happened, recover (replacing ``replace``), return True (``again``: the caller
     runs the interrupted cell again)."""
-    if not ((fleet.auto_recover or replace) and fleet.restarts < fleet.max_restarts):
+    max_restarts = fleet.options.max_restarts
+    if not (fleet.options.auto_recover or replace) or (restart := fleet.session.take_restart(max_restarts)) is None:
         return False
-    fleet.restarts += 1
     shrink = _no_slot_for_lost_ranks(fleet)
     without = " without the lost host's ranks (no free slot elsewhere)" if shrink else ""
-    notice(f"auto-recover {fleet.restarts}/{fleet.max_restarts}: {what}; recovering{without} (a survivor's "
+    notice(f"auto-recover {restart}/{max_restarts}: {what}; recovering{without} (a survivor's "
            f"state or the latest checkpoint){' and running the cell again' if again else ''}")
     fleet.recover(shrink=shrink, replace=() if shrink else replace)
     return True
@@ -274,7 +271,7 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     dead = sorted(set(died) | set(replace))
     if not shrink:
         fleet.pool.replaceable(dead)  # a lost host's ranks need a free slot elsewhere: refused first if none
-    replaced_before = set(fleet.fresh_ranks) | set(busy)  # fresh engines already, with no state yet
+    replaced_before = set(fleet.session.fresh_ranks) | set(busy)  # fresh engines already, with no state yet
     tag = unfinished.tag if unfinished is not None and unfinished.tag else "latest"
     sources = None if tag != "latest" else _keep_live_state(fleet, set(dead) | replaced_before)
     if sources is None and tag == "latest" and not died and not replaced_before:
@@ -285,7 +282,7 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
         except Exception as exc:  # e.g. the process group is broken: only a saved state is left
             notice(f"the live sharded state could not be saved first ({exc}); recovering from the latest "
                    "checkpoint")
-    lost = sorted(set(dead) | set(fleet.fresh_ranks)) if shrink else []
+    lost = sorted(set(dead) | set(fleet.session.fresh_ranks)) if shrink else []
     if len(lost) >= fleet.world_size:
         raise OptionsError("no rank would be left: recover without --shrink")
     if lost:
@@ -341,8 +338,8 @@ def scale(fleet, n: int) -> dict:
     fleet.targets(None)
     refuse_if_unfinished(fleet)
     recover_if_dead(fleet)
-    if fleet.fresh_ranks:
-        raise OptionsError(f"rank {','.join(map(str, fleet.fresh_ranks))} was replaced and has no state yet; "
+    if fresh := fleet.session.fresh_ranks:
+        raise OptionsError(f"rank {','.join(map(str, fresh))} was replaced and has no state yet; "
                            "run %fleet recover before scaling")
     old = fleet.world_size
     if n == old:

@@ -218,7 +218,7 @@ def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all
     pending = {r: fleet.pool.view(fleet.member(r).engine_id).apply_async(function, *args) for r in ranks}
     submitted = dict(pending)  # pending loses ranks as they finish; their output stays
     output = RankOutput(ranks, all_progress=all_progress) if show_output else None
-    hang_watch = HangWatch(fleet, ranks, fleet.hang_timeout)
+    hang_watch = HangWatch(fleet, ranks, fleet.options.hang_timeout or None)
     hangs = []
     shown_outputs = 0
     result = CellResult(ranks)
@@ -447,7 +447,7 @@ def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tupl
         fleet.rendezvous()
     except WorkbenchError as exc:
         return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"], dead
-    if fleet.fresh_ranks:
+    if fleet.session.fresh_ranks:
         what = ("; ".join(causes.values()) if dead else "a rank that did not stop was killed" if killed
                 else "a rank died while the process group was rebuilt")
         return [f"{what}. It was replaced by a fresh engine with an empty namespace: run %fleet recover next "

@@ -43,6 +43,7 @@ from .processes import Processes, one_line
 from .ranklogs import RankLogs
 from .run_record import RunRecord
 from .runs import new_run_dir
+from .session_state import SessionState
 
 SAVE_WAIT_S = 120.0  # how long stop() waits for a background save to commit
 CELL_STOP_WAIT_S = 30.0  # how long stop() from another thread waits for the running cell to stop its ranks
@@ -94,11 +95,6 @@ class Fleet:
                 check_machine_fits(len(slots))
         self.memory_limit = parse_size(options.memory_limit)
         self.backend = options.backend or ("nccl" if self.device_type == "cuda" else "gloo")
-        self.pg_timeout = float(options.pg_timeout)
-        self.progress = options.progress
-        self.auto_recover = options.auto_recover
-        self.max_restarts = options.max_restarts
-        self.hang_timeout = options.hang_timeout or None  # a rank without heartbeat or progress this long is hung
         self.processes = Processes(self.launcher, float(options.engine_timeout), self.attached)
         self.pool = EnginePool(self.processes, slots, self.device_type, float(options.engine_timeout),
                                self._join_run, hosts)
@@ -107,17 +103,11 @@ class Fleet:
         self.metrics: FleetMetrics | None = None
         self.rank_logs: RankLogs | None = None  # <run>/logs: each rank's output, each engine's own
         self.checkpoints = Checkpoints(self)
-        self.setup_cells: list[tuple[str, CellOptions]] = []  # replayed after scale / recovery
-        self.training_cell: tuple[str, CellOptions] | None = None  # the last other cell run on every rank
-        self.cell_defaults = CellOptions()  # what a cell's flags fall back to (%fleet tune sets them)
-        self.restarts = 0
-        self.fresh_ranks: list[int] = []  # replaced after dying, not set up again yet: cells wait for recover
-        self.replaying = False  # recover/scale replaying the setup cells (runs on fresh ranks too)
+        self.session = SessionState()  # setup and training cells, cell defaults, restarts, fresh ranks
         self.unfinished: elastic.Unfinished | None = None  # a scale or recover stopped half-way
         self.generation = 0  # of the process group: one more at every rendezvous
         self.group_mark = 0  # the metrics records of the current process group start here
         self.slow_reported: set[int] = set()  # stragglers already named in a cell's output
-        self.cells_run = 0
 
     # ------------------------------------------------------------------ the pool's view
     @property
@@ -159,6 +149,15 @@ class Fleet:
         return self.pool.members
 
     @property
+    def cell_defaults(self) -> CellOptions:
+        """What a cell's flags fall back to (ddp, no, 1 unless :meth:`tune` applied others)."""
+        return self.session.cell_defaults
+
+    @cell_defaults.setter
+    def cell_defaults(self, options: CellOptions) -> None:
+        self.session.cell_defaults = options
+
+    @property
     def client(self):
         """The ipyparallel client that reaches the engines."""
         return self.pool.client
@@ -192,7 +191,7 @@ class Fleet:
         if self.launcher.node_jobs and self.pool.hosts is None and not self.attached:
             self.launcher.ranks_per_node()  # asks sinfo now: a cluster it cannot size fails before anything starts
         started = time.monotonic()
-        progress = ProgressLine(self.progress)
+        progress = ProgressLine(self.options.progress)
         try:
             self.processes.make_runtime_dir()
             self.run_id, self.run_dir = new_run_dir(self.options.runs_dir)
@@ -218,7 +217,7 @@ class Fleet:
             self.pool.launch_spares(self.options.spares)
             progress.show(f"fleet: {self.world_size} engines up; joining process group ({self.backend})…")
             self.rendezvous()
-            self.fresh_ranks = []  # an engine replaced while starting: no rank has state yet
+            self.session.every_rank_has_state()  # an engine replaced while starting: no rank has state yet
             self.usage = Usage()
             if self.options.park_after is not None:
                 self.autopark = AutoPark(self, parse_duration(self.options.park_after), self.options.park_anyway)
@@ -340,9 +339,7 @@ class Fleet:
         state); call :meth:`rendezvous` after.
         """
         self.pool.replace(ranks)
-        self.fresh_ranks = sorted(set(self.fresh_ranks) | set(ranks))
-        if len(self.fresh_ranks) == self.world_size:  # every rank starts over: they agree (all empty)
-            self.fresh_ranks = []
+        self.session.replaced(ranks, self.world_size)
 
     def rendezvous(self) -> None:
         """(Re)build the process group on every rank, on a fresh port.
@@ -367,7 +364,7 @@ class Fleet:
 
     def _join_all(self) -> list[int]:
         self.generation += 1
-        return group.join_all(self.pool, backend=self.backend, timeout_s=self.pg_timeout,
+        return group.join_all(self.pool, backend=self.backend, timeout_s=float(self.options.pg_timeout),
                               generation=self.generation, runtime_dir=self.runtime_dir,
                               master_addr=self.options.master_addr)
 
@@ -423,9 +420,7 @@ class Fleet:
         latest checkpoint (:mod:`workbench.elastic`). ``replace``: live ranks to swap for fresh
         engines the same way (a straggler: ``%fleet replace R``)."""
         with self.command():
-            result = elastic.recover(self, shrink=shrink, replace=self.targets(list(replace)) if replace else [])
-        self.fresh_ranks = []
-        return result
+            return elastic.recover(self, shrink=shrink, replace=self.targets(list(replace)) if replace else [])
 
     def park(self, anyway: bool = True) -> "Parked":
         """Checkpoint what a rescale keeps, stop every engine (their GPUs are free), remember the
@@ -495,7 +490,7 @@ class Fleet:
         from .export import export
 
         written, warnings = export(
-            path, self.setup_cells, self.training_cell, world_size=self.world_size,
+            path, self.session.setup_cells, self.session.training_cell, world_size=self.world_size,
             nodes=self.nodes, run_id=self.run_id, gpus=self.device_type == "cuda",
             slurm_options=self.launcher.traits if self.launcher.name == "slurm" else None, overwrite=overwrite)
         for warning in warnings:

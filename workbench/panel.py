@@ -64,7 +64,7 @@ def snapshot() -> PanelState:
         state.update(world_size=fleet.world_size, backend=fleet.backend, run_dir=fleet.run_dir,
                      engines=[_engine_row(m, streams.get(m.rank), slow.get(m.rank)) for m in list(fleet.members)],
                      spares={"ready": len(fleet.pool.spares), "starting": len(fleet.pool.pending_spares)},
-                     needs_recover=bool(fleet.fresh_ranks),
+                     needs_recover=bool(fleet.session.fresh_ranks),
                      parked={"world": fleet.parked.world, "tag": fleet.parked.tag, "since": fleet.parked.since}
                      if fleet.parked is not None else None,
                      last_cell=_last_cell(fleet))

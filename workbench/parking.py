@@ -64,7 +64,8 @@ def names_lost_by_parking(fleet) -> list[str]:
     only through the setup cells that made them)."""
     from . import engine
 
-    made = set().union(*(_assigned(code) for code, _ in fleet.setup_cells)) if fleet.setup_cells else set()
+    setup_cells = fleet.session.setup_cells
+    made = set().union(*(_assigned(code) for code, _ in setup_cells)) if setup_cells else set()
     names = fleet.client[fleet.engine_ids([0])].apply_async(engine.user_names).get()[0]
     return sorted(n for n in names if n not in made and n not in _GIVEN and not n.startswith("_"))
 
@@ -98,9 +99,9 @@ def park(fleet, anyway: bool = True) -> Parked:
         raise FleetError("the fleet is parked already; %fleet unpark (or any cell) brings it back")
     fleet.targets(None)
     refuse_if_unfinished(fleet)
-    if fleet.fresh_ranks:
+    if fleet.session.fresh_ranks:
         raise FleetError("a rank was replaced and has no state yet; run %fleet recover before parking")
-    if not fleet.setup_cells:
+    if not fleet.session.setup_cells:
         raise FleetError("parking needs the --setup cells that build the model, optimizer and data (they are "
                          "replayed when it comes back); run them with %%distributed --setup first")
     lost = names_lost_by_parking(fleet)

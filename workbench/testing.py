@@ -39,7 +39,7 @@ def gate_checkpoint_writes(fleet, gate: str) -> None:
 
 def ungate_checkpoint_writes(fleet) -> None:
     """Undo :func:`gate_checkpoint_writes` on every rank that has it (a replaced rank never did)."""
-    survivors = [r for r in range(fleet.world_size) if r not in fleet.fresh_ranks]
+    survivors = [r for r in range(fleet.world_size) if r not in fleet.session.fresh_ranks]
     fleet.client[fleet.engine_ids(survivors)].execute(_UNGATE_WRITES, block=True)
 
 
