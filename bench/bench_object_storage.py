@@ -15,7 +15,7 @@ import time
 from common import median, report
 
 from workbench import Fleet
-from workbench.testing import LocalS3
+from workbench.kernel.testing import LocalS3
 
 ROUNDS = 3
 SETUP = """

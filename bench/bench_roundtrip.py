@@ -17,7 +17,7 @@ def main() -> dict:
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "workbench")
     shell.run_line_magic("fleet", "start -n 2")
-    from workbench.magics import current_fleet
+    from workbench import current_fleet
 
     try:
         view = current_fleet().client[:]

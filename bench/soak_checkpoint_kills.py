@@ -17,7 +17,7 @@ from common import report
 
 from workbench import Fleet
 from workbench.checkpoint import layout
-from workbench.testing import kill_rank_during_save
+from workbench.kernel.testing import kill_rank_during_save
 
 SETUP = """
 import torch

@@ -25,7 +25,7 @@ from nbclient import NotebookClient
 
 from workbench import CellOptions, Fleet
 from workbench.checkpoint import layout
-from workbench.testing import BusyMachine, interrupted_after
+from workbench.kernel.testing import BusyMachine, interrupted_after
 
 QUICKSTART = pathlib.Path(__file__).parent.parent / "notebooks" / "01_quickstart.ipynb"
 SETUP = ("import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(8, 8)\n"

@@ -21,7 +21,7 @@ import sys
 import time
 
 from workbench import CellOptions, Fleet
-from workbench.status import status_rows, status_table
+from workbench.kernel.status import status_rows, status_table
 
 SETUP = """
 import torch

@@ -39,7 +39,7 @@ def _the_fast_tier_starts_no_fleet(request, monkeypatch):
     """A test not marked ``fleet`` that starts a fleet's processes fails, naming the marker it lacks
     (one refused before anything starts is fast, and stays in the fast tier)."""
     if request.node.get_closest_marker("fleet") is None:
-        from workbench.processes import Processes
+        from workbench.kernel.processes import Processes
 
         def refuse(self, *args, **kwargs):
             raise AssertionError("this test starts a fleet: mark it @pytest.mark.fleet (the slow tier)")
@@ -47,7 +47,7 @@ def _the_fast_tier_starts_no_fleet(request, monkeypatch):
         monkeypatch.setattr(Processes, "start_controller", refuse)
         monkeypatch.setattr(Processes, "connect", refuse)
 
-IPP_MARKERS = ("ipyparallel", "ipengine", "ipcontroller", "workbench.reaper", "workbench.template",
+IPP_MARKERS = ("ipyparallel", "ipengine", "ipcontroller", "workbench.reaper", "workbench.rank.template",
                "workbench.checkpoint.writer")
 
 

@@ -145,7 +145,7 @@ def test_fsdp_wrap_refusals():
 
 
 def test_fsdp_wrap_with_an_unknown_class_is_one_line(fleet):
-    from workbench.execution import DistributedCellError
+    from workbench.kernel.execution import DistributedCellError
 
     with pytest.raises(DistributedCellError, match="matched no module of Net; its classes with parameters"):
         fleet.run(BLOCKS_MODEL, options=CellOptions(strategy="fsdp", fsdp_wrap="NoSuchLayer"))

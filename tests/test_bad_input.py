@@ -11,9 +11,9 @@ from IPython.core.error import UsageError
 
 from workbench import CheckpointError
 from workbench.checkpoint import layout
-from workbench.flags import checkpoint_parser, fleet_parser
+from workbench.kernel.flags import checkpoint_parser, fleet_parser
+from workbench.kernel.processes import UNIX_SOCKET_PATH_MAX, _socket_friendly_tmp
 from workbench.metrics.logger import MetricsLogger
-from workbench.processes import UNIX_SOCKET_PATH_MAX, _socket_friendly_tmp
 
 
 @pytest.mark.parametrize("value", [complex(1, 2), 10**400, torch.tensor(1 + 2j), "1.0", None])

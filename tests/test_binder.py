@@ -36,7 +36,7 @@ def test_binder_environment_runs_the_quickstart(tmp_path):
     assert "enabled" in line and "OK" in line and str(venv) in text, text
     server = subprocess.run([str(bin_dir / "jupyter"), "server", "extension", "list"], env=env,
                             capture_output=True, text=True)
-    assert "workbench.labpanel enabled" in (server.stdout + server.stderr).replace("\x1b[32m", "").replace(
+    assert "workbench.kernel.labpanel enabled" in (server.stdout + server.stderr).replace("\x1b[32m", "").replace(
         "\x1b[0m", ""), server.stderr
 
     before = {p.pid for p in fleet_processes()}

@@ -16,7 +16,7 @@ from conftest import wait_until_gone
 
 from workbench import CheckpointError, DistributedCellError, Fleet
 from workbench.checkpoint import layout
-from workbench.testing import gate_checkpoint_writes, kill_rank_during_save, ungate_checkpoint_writes
+from workbench.kernel.testing import gate_checkpoint_writes, kill_rank_during_save, ungate_checkpoint_writes
 
 SETUP = """
 import torch

@@ -5,8 +5,8 @@ A GPU cannot exist on these machines, so the visible GPU list is passed in
 
 import pytest
 
-from workbench.devices import EngineSlot, parse_gpu_list, plan_engines, visible_gpus
 from workbench.errors import OptionsError
+from workbench.kernel.devices import EngineSlot, parse_gpu_list, plan_engines, visible_gpus
 
 
 def test_cpu_default_and_explicit_count():

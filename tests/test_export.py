@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from workbench.export import sbatch_text
+from workbench.kernel.export import sbatch_text
 
 SETUP = """%%distributed --setup
 import torch
@@ -81,7 +81,7 @@ def test_exported_script_runs_under_torchrun_and_accelerate_launch_to_the_notebo
 
 def test_nothing_to_export_and_bad_names_are_one_line(tmp_path):
     from workbench.errors import FleetError
-    from workbench.export import export
+    from workbench.kernel.export import export
 
     with pytest.raises(FleetError, match="nothing to export yet"):
         export(str(tmp_path / "t.py"), [], None, world_size=2, nodes=1, run_id=None)

@@ -135,7 +135,7 @@ def test_error_on_one_rank_releases_the_rank_blocked_in_all_reduce(fleet):
     groups = err.groups()
     assert [ranks for ranks, _ in groups] == [[1]]
     assert "ValueError: bad batch on rank 1" in groups[0][1].traceback
-    assert "<distributed-cell-" in groups[0][1].traceback and "workbench/engine.py" not in groups[0][1].traceback
+    assert "<distributed-cell-" in groups[0][1].traceback and "workbench/rank/engine.py" not in groups[0][1].traceback
     report = err.report()
     assert report.count("bad batch on rank 1") == 2  # the raise line and the message, once
     assert "rank 0 stopped" in report
@@ -312,7 +312,7 @@ def test_a_fleet_the_machine_cannot_hold_is_refused_before_starting(capfd):
     import psutil
 
     from workbench import OptionsError
-    from workbench.devices import ENGINE_MEMORY_BYTES
+    from workbench.kernel.devices import ENGINE_MEMORY_BYTES
 
     too_many = psutil.virtual_memory().available // ENGINE_MEMORY_BYTES + 8
     with pytest.raises(OptionsError, match=f"^{too_many} CPU engines need about .* use at most -n"):

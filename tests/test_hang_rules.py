@@ -1,11 +1,11 @@
-"""The kernel's hang rules (:mod:`workbench.watchdog`) on heartbeats made by hand (no fleet)."""
+"""The kernel's hang rules (:mod:`workbench.kernel.watchdog`) on heartbeats made by hand (no fleet)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from workbench import watchdog
-from workbench.metrics.store import MetricsStore, RankStream
+from workbench.kernel import watchdog
+from workbench.kernel.metrics.store import MetricsStore, RankStream
 
 
 def _watch(streams: dict[int, RankStream]) -> watchdog.HangWatch:

@@ -79,7 +79,7 @@ def _shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"lab-panel-{name}.png"))
 
 
-_PANEL_STATE_CODE = """import json, workbench.panel as wp, workbench.magics as wm
+_PANEL_STATE_CODE = """import json, workbench.kernel.panel as wp, workbench.kernel.magics as wm
 fleet = wm.current_fleet()
 print('fresh ranks', fleet and fleet.session.fresh_ranks, [(c.last_error, c.thread.is_alive(), json.loads(c.sent_state or '{}').get('needs_recover')) for c in wp._comms.values()])"""
 
@@ -263,7 +263,7 @@ def _panel_walkthrough(lab, page):
         window.Notification = class { constructor(title, options) { window.wbNotes.push(options.body); } };
         window.Notification.permission = 'granted';
         const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
-        kernel.requestExecute({code: 'import workbench.panel\\nworkbench.panel.LONG_CELL_S = 1.0'});
+        kernel.requestExecute({code: 'import workbench.kernel.panel\\nworkbench.kernel.panel.LONG_CELL_S = 1.0'});
         kernel.requestExecute({code: '%%distributed --stop-on-nan\\nimport time\\ntime.sleep(1.5)\\n'
                                      + 'workbench.log(loss=float("nan"))'});
     }""")

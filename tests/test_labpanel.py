@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from conftest import free_port, wait_for_jupyter
 
-from workbench import labpanel
+from workbench.kernel import labpanel
 
 pytest.importorskip("jupyter_server")
 

@@ -14,7 +14,7 @@ from conftest import fleet_processes, started_here, wait_until_gone
 from simhosts import slurm_conf
 
 from workbench import Fleet, FleetOptions, OptionsError
-from workbench.launchers import LauncherSpec, parse_options
+from workbench.kernel.launchers import LauncherSpec, parse_options
 from workbench.options import parse_size
 
 DDP_CELL = """
@@ -77,8 +77,8 @@ def test_slurm_picking_the_nodes_sizes_a_job_by_a_nodes_gpus_from_sinfo(tmp_path
     """Without --hosts, a job has a node's GPUs as sinfo reports them (the smallest node), each task
     one GPU of it, else a node's CPUs; a lost node is excluded. ``sinfo`` is a script here: a GPU
     node cannot exist on this machine. The real Slurm runs in test_cluster and the tests below."""
-    from workbench.devices import EngineSlot
-    from workbench.launchers import slurm_node_size
+    from workbench.kernel.devices import EngineSlot
+    from workbench.kernel.launchers import slurm_node_size
 
     (tmp_path / "sinfo").write_text("#!/bin/sh\necho '96 gpu:h100:8(S:0-1)'\necho '64 gpu:4,tmp:100'\n")
     (tmp_path / "sinfo").chmod(0o755)
@@ -149,7 +149,7 @@ def test_two_simulated_nodes_get_node_ranks_local_ranks_and_a_grouped_status():
         assert fleet.run("local_rank", show_output=False) == [0, 1, 0, 1]
         assert fleet.run("import torch; t = torch.ones(1); torch.distributed.all_reduce(t); t.item()",
                          show_output=False) == [4.0] * 4, "the group spans both nodes (TCP rendezvous)"
-        from workbench.status import status_table
+        from workbench.kernel.status import status_table
 
         table = status_table(fleet.status())
         assert "node 0: node-a (2 ranks)" in table and "node 1: node-b (2 ranks)" in table

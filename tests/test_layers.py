@@ -8,18 +8,18 @@ import sys
 
 ENGINE_SIDE = [
     "workbench",
-    "workbench.engine",
-    "workbench.batch_process",
+    "workbench.rank.engine",
+    "workbench.rank.batch_process",
     "workbench.trials",
-    "workbench.rendezvous",
-    "workbench.strategies",
+    "workbench.rank.rendezvous",
+    "workbench.rank.strategies",
     "workbench.options",
     "workbench.messages",
     "workbench.llm",
     "workbench.models",
     "workbench.metrics",
     "workbench.metrics.logger",
-    "workbench.instrument",
+    "workbench.rank.instrument",
     "workbench.metrics.gpu",
     "workbench.checkpoint",
     "workbench.checkpoint.api",
@@ -30,9 +30,9 @@ ENGINE_SIDE = [
     "workbench.parallel.tensor",
     "workbench.parallel.hooks",
 ]
-KERNEL_SIDE = ("ipyparallel.client", "ipywidgets", "IPython.core.magic", "workbench.fleet", "workbench.cells",
-               "workbench.execution", "workbench.panel", "workbench.magics", "workbench.elastic",
-               "workbench.metrics.dashboard", "workbench.metrics.collector", "workbench.checkpoint.control")
+KERNEL_SIDE = ("ipyparallel.client", "ipywidgets", "IPython.core.magic", "workbench.kernel.fleet", "workbench.kernel.cells",
+               "workbench.kernel.execution", "workbench.kernel.panel", "workbench.kernel.magics", "workbench.kernel.elastic",
+               "workbench.kernel.metrics.dashboard", "workbench.kernel.metrics.collector", "workbench.kernel.checkpoints")
 
 PROBE = """
 import importlib, json, sys
@@ -63,22 +63,22 @@ def test_the_kernel_names_still_import_from_the_package():
 
 # The engine side, bottom layer first: a module imports only from its own layer or below.
 LAYERS = [
-    ["workbench.rank", "workbench.errors", "workbench.messages", "workbench.data_position",
-     "workbench.batch_process", "workbench.reaper", "workbench.stacks", "workbench.placement",
+    ["workbench.rank", "workbench.rank.state", "workbench.errors", "workbench.messages", "workbench.rank.data_position",
+     "workbench.rank.batch_process", "workbench.reaper", "workbench.rank.stacks", "workbench.placement",
      "workbench.links", "workbench.launcher_kinds"],
     ["workbench.metrics.comm", "workbench.metrics.gpu", "workbench.metrics.logger", "workbench.metrics"],
     ["workbench.parallel.options", "workbench.parallel.plan", "workbench.parallel.fsdp", "workbench.parallel.hooks",
      "workbench.parallel.tensor", "workbench.parallel.pipeline", "workbench.parallel.model", "workbench.parallel",
      "workbench.options"],
-    ["workbench.instrument"],
-    ["workbench.strategies"],
-    ["workbench.rendezvous", "workbench.checkpoint.state", "workbench.checkpoint.storage", "workbench.checkpoint.layout",
+    ["workbench.rank.instrument"],
+    ["workbench.rank.strategies"],
+    ["workbench.rank.rendezvous", "workbench.checkpoint.state", "workbench.checkpoint.storage", "workbench.checkpoint.layout",
      "workbench.checkpoint.safe_io",
      "workbench.checkpoint.writer", "workbench.checkpoint.failures", "workbench.checkpoint.api", "workbench.checkpoint.replica", "workbench.checkpoint",
      "workbench.checkpoint.hf_export",
      "workbench.llm", "workbench.models"],
-    ["workbench.engine", "workbench.trials"],
-    ["workbench.template"],
+    ["workbench.rank.engine", "workbench.trials"],
+    ["workbench.rank.template"],
 ]  # workbench.script is both sides at once: in a batch job, rank 0 also runs the collector
 
 
@@ -146,18 +146,18 @@ def test_engine_side_layers_import_downward_only():
 
 # The kernel side above the engine side (which it may import), bottom layer first.
 KERNEL_LAYERS = [
-    ["workbench.devices", "workbench.flags", "workbench.output", "workbench.runs", "workbench.ranklogs",
-     "workbench.reaper", "workbench.launchers", "workbench.metrics.store", "workbench.metrics.step_rows",
-     "workbench.metrics.summary", "workbench.metrics.sinks", "workbench.metrics.tensorboard_sink",
-     "workbench.metrics.wandb_sink", "workbench.notices", "workbench.run_record", "workbench.session_state"],
-    ["workbench.processes", "workbench.metrics.collector", "workbench.metrics.stragglers", "workbench.metrics.dashboard",
-     "workbench.watchdog"],
-    ["workbench.pool", "workbench.metrics.live", "workbench.execution", "workbench.export"],
-    ["workbench.group", "workbench.status", "workbench.checkpoint.control", "workbench.elastic", "workbench.tuner"],
-    ["workbench.cells", "workbench.parking"],
-    ["workbench.fleet"],
-    ["workbench.panel", "workbench.labpanel", "workbench.testing"],
-    ["workbench.magics"],
+    ["workbench.kernel", "workbench.kernel.metrics", "workbench.kernel.devices", "workbench.kernel.flags", "workbench.kernel.output", "workbench.kernel.runs", "workbench.kernel.ranklogs",
+     "workbench.reaper", "workbench.kernel.launchers", "workbench.kernel.metrics.store", "workbench.kernel.metrics.step_rows",
+     "workbench.kernel.metrics.summary", "workbench.kernel.metrics.sinks", "workbench.kernel.metrics.tensorboard_sink",
+     "workbench.kernel.metrics.wandb_sink", "workbench.kernel.notices", "workbench.kernel.run_record", "workbench.kernel.session_state"],
+    ["workbench.kernel.processes", "workbench.kernel.metrics.collector", "workbench.kernel.metrics.stragglers", "workbench.kernel.metrics.dashboard",
+     "workbench.kernel.watchdog"],
+    ["workbench.kernel.pool", "workbench.kernel.metrics.live", "workbench.kernel.execution", "workbench.kernel.export"],
+    ["workbench.kernel.group", "workbench.kernel.status", "workbench.kernel.checkpoints", "workbench.kernel.elastic", "workbench.kernel.tuner"],
+    ["workbench.kernel.cells", "workbench.kernel.parking"],
+    ["workbench.kernel.fleet"],
+    ["workbench.kernel.panel", "workbench.kernel.labpanel", "workbench.kernel.testing"],
+    ["workbench.kernel.magics"],
 ]
 
 
@@ -169,3 +169,18 @@ def test_kernel_side_layers_import_downward_only():
     assert not unplaced, f"every module has a layer: {sorted(unplaced)}"
     upward = sorted(f"{a} -> {b}" for a in layer for b in graph[a] if layer.get(b, -1) > layer[a])
     assert upward == [], upward
+
+
+def test_the_packages_show_the_two_sides():
+    """Every kernel-side module lives under workbench/kernel/, every engine-side one outside it,
+    and nothing outside workbench/kernel/ imports it (but the package's lazy names and the batch
+    script, which is both sides at once)."""
+    graph = _imports()
+    engine_side = {name for names in LAYERS for name in names}
+    kernel_side = {name for names in KERNEL_LAYERS for name in names}
+    assert sorted(n for n in kernel_side - engine_side if not n.startswith("workbench.kernel")) == []
+    assert sorted(n for n in engine_side if n.startswith("workbench.kernel")) == []
+    reaching_in = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                         if b.startswith("workbench.kernel") and not a.startswith("workbench.kernel")
+                         and a not in ("workbench", "workbench.script"))
+    assert reaching_in == [], reaching_in

@@ -39,7 +39,7 @@ def _kernel_with_fleet():
     reply, _ = kernel.execute("%load_ext workbench\n%fleet start -n 2")
     assert reply["status"] == "ok"
     reply, messages = kernel.execute(
-        "from workbench.magics import current_fleet\n"
+        "from workbench import current_fleet\n"
         "f = current_fleet()\n"
         "import psutil\n"
         "pids = [m.pid for m in f.members] + [c.pid for m in f.members for c in psutil.Process(m.pid).children()]\n"

@@ -163,7 +163,7 @@ def test_fleet_tune_shows_a_table_and_the_next_cells_default_to_the_fastest(kern
     reply, messages = kernel.execute("%%distributed --strategy ddp --grad-accum 1\n"
                                      "print(accelerator.distributed_type.value, accelerator.gradient_accumulation_steps)")
     assert "[rank 0] MULTI_CPU 1" in kernel.text(messages), "a flag on the cell overrides the tuned default"
-    kernel.execute("from workbench.magics import current_fleet\nfrom workbench import CellOptions\n"
+    kernel.execute("from workbench import current_fleet\nfrom workbench import CellOptions\n"
                    "current_fleet().cell_defaults = CellOptions()")
 
 
@@ -321,7 +321,7 @@ def test_distributed_help_flags_are_generated_and_typos_get_a_suggestion(kernel)
     text = kernel.text(messages)
     assert reply["status"] == "ok" and "--fsdp-wrap" in text and "not run" not in text
     assert "did you mean '--strategy'?" in _usage_error(kernel, "%%distributed --strtegy fsdp\n1")
-    from workbench.magics import WorkbenchMagics
+    from workbench.kernel.magics import WorkbenchMagics
 
     doc = WorkbenchMagics.fleet.__doc__  # what %fleet? shows
     assert "Flags (also: %fleet -h)" in doc and "warm engines kept ready outside the group" in doc
@@ -337,7 +337,7 @@ def test_unload_ext_stops_the_fleet_and_unregisters_the_magics():
         reply, _ = kernel.execute("%load_ext workbench\n%fleet start -n 1 --no-wandb")
         assert reply["status"] == "ok"
         reply, messages = kernel.execute(
-            "from workbench.magics import current_fleet\n"
+            "from workbench import current_fleet\n"
             "print('pids', *[m.pid for m in current_fleet().members])")
         pids = [int(p) for p in kernel.text(messages).split("pids")[1].split()]
         reply, _ = kernel.execute("%unload_ext workbench")
@@ -363,7 +363,7 @@ def test_the_whole_output_is_shown_at_the_end_even_when_the_last_live_tail_was_c
     tail of the same text; the end must still show every line (it once kept the tail)."""
     import IPython.display
 
-    from workbench import output
+    from workbench.kernel import output
 
     shown = []
 

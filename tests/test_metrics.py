@@ -14,10 +14,10 @@ import pytest
 from wandb_reader import history_rows
 
 from workbench import Fleet, OptionsError
-from workbench.flags import fleet_parser
-from workbench.metrics.dashboard import Dashboard, downsample
-from workbench.metrics.sinks import RunInfo, Sink, register_sink
-from workbench.metrics.wandb_sink import wandb_mode
+from workbench.kernel.flags import fleet_parser
+from workbench.kernel.metrics.dashboard import Dashboard, downsample
+from workbench.kernel.metrics.sinks import RunInfo, Sink, register_sink
+from workbench.kernel.metrics.wandb_sink import wandb_mode
 
 TRAIN = """
 import time, torch
@@ -307,7 +307,7 @@ def test_summary_throughput_is_samples_over_the_time_the_steps_took_by_hand(flee
 def test_a_progress_total_belongs_to_its_cell_and_the_whole_run_counts_every_record(fleet):
     """Was: "step 200/150", full and green, in a later cell (the total carried over), and %metrics
     said "whole run · 100 records" for a run of 400 (it counted the last cell)."""
-    from workbench.metrics.dashboard import Dashboard
+    from workbench.kernel.metrics.dashboard import Dashboard
 
     fleet.run("total = workbench.step + 3\nworkbench.progress(total=total)\nfor i in range(3):\n    workbench.log(loss=1.0)",
               show_output=False)
@@ -321,7 +321,7 @@ def test_a_progress_total_belongs_to_its_cell_and_the_whole_run_counts_every_rec
 
 
 def test_steps_per_second_over_several_cells_leaves_out_the_idle_time_between_them(fleet):
-    from workbench.metrics.summary import steps_per_second
+    from workbench.kernel.metrics.summary import steps_per_second
 
     first = len(fleet.metrics.store)
     loop = "import time\nfor i in range(10):\n    time.sleep(0.02)\n    workbench.log(x=i)"
@@ -350,7 +350,7 @@ def test_without_wandb_installed_a_run_keeps_its_jsonl_and_tensorboard_and_wandb
                                                                                                  monkeypatch):
     """wandb is an extra: without it the default sinks are metrics.jsonl and TensorBoard, and
     asking for wandb says how to install it, before anything starts."""
-    from workbench.metrics.live import FleetMetrics
+    from workbench.kernel.metrics.live import FleetMetrics
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # its import fails, as where it is not installed
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -398,8 +398,8 @@ def test_metrics_jsonl_goes_on_after_a_full_disk(tmp_path):
     """A full disk pauses metrics.jsonl, keeps what it could not write, and writes it once space is back."""
     from test_checkpoints import _tmpfs
 
-    from workbench.metrics.sinks import JsonlSink, SinkPaused
-    from workbench.metrics.store import Record
+    from workbench.kernel.metrics.sinks import JsonlSink, SinkPaused
+    from workbench.kernel.metrics.store import Record
 
     def records(start, n):
         return [Record(time=1.0, arrived=1.0, rank=0, step=i, scalars={"loss": 1.0}, system={})
@@ -472,8 +472,8 @@ def test_tensorboard_shows_the_run_with_a_line_per_rank_and_the_mean(fleet, tmp_
 def test_each_cell_has_its_own_dashboard_that_keeps_its_numbers(fleet, monkeypatch):
     """Two cells in a row: the first cell's widget still reads as it ended (the bug was one shared
     widget: a 150-step cell ended up reading "step 200/150"). Warm-up steps do not set the axis."""
-    from workbench.metrics import live
-    from workbench.metrics.live import FleetMetrics
+    from workbench.kernel.metrics import live
+    from workbench.kernel.metrics.live import FleetMetrics
 
     shown = []
     monkeypatch.setattr(live, "in_kernel", lambda: True)
@@ -497,7 +497,7 @@ def test_each_cell_has_its_own_dashboard_that_keeps_its_numbers(fleet, monkeypat
 
 
 def test_the_axis_top_leaves_out_rare_outliers_but_shows_99_percent():
-    from workbench.metrics.dashboard import steady_top
+    from workbench.kernel.metrics.dashboard import steady_top
 
     steady = [7.0, 7.2, 6.9, 7.1, 7.0, 7.3, 6.8, 7.0]
     assert 7.3 <= steady_top(steady) < 30  # nothing clipped without outliers (the plot leaves out warm-ups)
@@ -530,9 +530,9 @@ class _FakeCuda:
 
 
 def test_gpu_utilisation_and_memory_from_nvml_are_sampled_once_a_second_and_shown():
+    from workbench.kernel.metrics.store import Record
+    from workbench.kernel.metrics.summary import summary_text
     from workbench.metrics.gpu import GpuProbe
-    from workbench.metrics.store import Record
-    from workbench.metrics.summary import summary_text
 
     cuda, probe = _FakeCuda(), GpuProbe()
     assert probe.sample(cuda) == {"gpu_util_pct": 87.0, "gpu_mem_used_mb": 3072.0}
@@ -569,8 +569,8 @@ def test_a_million_records_keep_the_kernel_memory_bounded_and_old_records_come_b
 
     import psutil
 
-    from workbench.metrics.sinks import JsonlSink
-    from workbench.metrics.store import WINDOW, MetricsStore
+    from workbench.kernel.metrics.sinks import JsonlSink
+    from workbench.kernel.metrics.store import WINDOW, MetricsStore
 
     path = str(tmp_path / "metrics.jsonl")
     store, sink = MetricsStore(spill_path=path), JsonlSink(path)
@@ -615,7 +615,7 @@ def test_a_nan_or_inf_loss_is_named_once_in_the_cell_output(fleet, capsys):
 
 def test_stop_on_nan_ends_the_cell_at_the_first_non_finite_value(fleet):
     from workbench import CellOptions, DistributedCellError
-    from workbench.flags import distributed_parser, options_from
+    from workbench.kernel.flags import distributed_parser, options_from
     from workbench.options import CellCall
 
     code = ("import torch\nworkbench.step = 0\nfor i in range(8):\n"
@@ -678,8 +678,8 @@ def test_one_throughput_figure_in_every_place_by_hand(tmp_path, monkeypatch):
     and the dashboard's figures for the cell are samples ÷ the time the steady steps took."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from workbench.metrics.summary import per_rank, steps_per_second
-    from workbench.panel import _points
+    from workbench.kernel.metrics.summary import per_rank, steps_per_second
+    from workbench.kernel.panel import _points
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_DIR", raising=False)
@@ -747,8 +747,8 @@ def test_the_collector_takes_only_messages_signed_with_the_runs_key(tmp_path):
     counted and named once."""
     import zmq
 
+    from workbench.kernel.metrics.collector import MetricsCollector
     from workbench.messages import sign
-    from workbench.metrics.collector import MetricsCollector
 
     collector = MetricsCollector(str(tmp_path), str(tmp_path), network=True)
     try:

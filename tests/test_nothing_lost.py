@@ -13,7 +13,7 @@ from test_elastic import SETUP  # a small model and its optimizer, prepared
 
 from workbench import CellOptions, DistributedCellError, Fleet, FleetError
 from workbench.checkpoint import layout
-from workbench.testing import interrupted_after
+from workbench.kernel.testing import interrupted_after
 
 TRAIN = """
 for _ in range(3):
@@ -103,7 +103,7 @@ def test_stop_waits_for_a_background_save_to_commit(tmp_path):
 
 CHILD_OF_A_DYING_RANK = """
 import os, sys, time
-from workbench.rank import die_with_parent
+from workbench.rank.state import die_with_parent
 parent = os.getpid()
 child = os.fork()
 if child == 0:
@@ -147,7 +147,7 @@ def test_interrupts_show_one_report_end_clean_loops_and_spare_the_engine_templat
                                          "    print('stopped at', steps > 0)", interrupt_after=3.0)
         assert reply["status"] == "ok", kernel.text(messages)
         assert "ended the cell cleanly" in kernel.text(messages) and "stopped at True" in kernel.text(messages)
-        _, messages = kernel.execute("from workbench.magics import current_fleet\n"
+        _, messages = kernel.execute("from workbench import current_fleet\n"
                                      "print('template', current_fleet().processes.template_pid)")
         pid = int(re.search(r"template (\d+)", kernel.text(messages)).group(1))
         assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

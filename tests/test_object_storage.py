@@ -13,9 +13,9 @@ import pytest
 from workbench import CheckpointError, Fleet
 from workbench.checkpoint import layout
 from workbench.checkpoint.storage import store_for
-from workbench.flags import checkpoint_parser
+from workbench.kernel.flags import checkpoint_parser
+from workbench.kernel.testing import LocalS3, gate_checkpoint_writes, ungate_checkpoint_writes
 from workbench.options import CellOptions
-from workbench.testing import LocalS3, gate_checkpoint_writes, ungate_checkpoint_writes
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs 'moto[server]')")
 pytest.importorskip("moto", reason="moto is not installed (pip install 'moto[server]')")

@@ -9,8 +9,8 @@ import typing
 import pytest
 
 from workbench import CellOptions, Fleet, FleetOptions, OptionsError
-from workbench.flags import distributed_parser, field_docs, fleet_parser, options_from
-from workbench.magics import WorkbenchMagics
+from workbench.kernel.flags import distributed_parser, field_docs, fleet_parser, options_from
+from workbench.kernel.magics import WorkbenchMagics
 from workbench.options import CellCall, TuneOptions
 
 OPTION_CLASSES = (FleetOptions, CellOptions, CellCall, TuneOptions)

@@ -1,4 +1,4 @@
-"""The lab panel's kernel side (workbench.panel) in a real kernel, over the messaging
+"""The lab panel's kernel side (workbench.kernel.panel) in a real kernel, over the messaging
 protocol: state and metrics over the comm while a cell runs, one comm per browser tab."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class PanelClient:
         comm_id = uuid.uuid4().hex
         self.comms[comm_id], self.read[comm_id] = [], 0
         self.kc.shell_channel.send(self.kc.session.msg(
-            "comm_open", {"comm_id": comm_id, "target_name": "workbench.panel", "data": {"client": client}}))
+            "comm_open", {"comm_id": comm_id, "target_name": "workbench.kernel.panel", "data": {"client": client}}))
         return comm_id
 
     def execute(self, code: str) -> str:

@@ -71,7 +71,7 @@ def test_park_then_the_next_cell_goes_on_bit_exact_with_no_engine_while_parked(c
 def _panel_state(fleet) -> dict:
     from types import SimpleNamespace
 
-    from workbench import panel
+    from workbench.kernel import panel
 
     before = panel._session
     panel._session = SimpleNamespace(current_fleet=lambda: fleet, current_metrics=lambda: fleet.metrics)

@@ -11,7 +11,7 @@ import pytest
 
 import workbench
 from workbench import DistributedCellError
-from workbench.run_record import read
+from workbench.kernel.run_record import read
 
 
 def _record(fleet) -> dict:

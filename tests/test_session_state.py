@@ -3,8 +3,8 @@ restarts spent."""
 
 from __future__ import annotations
 
+from workbench.kernel.session_state import SessionState
 from workbench.options import CellOptions
-from workbench.session_state import SessionState
 
 
 def test_fresh_ranks_gather_until_every_rank_has_the_state_or_every_rank_is_fresh():

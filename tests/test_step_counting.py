@@ -80,7 +80,7 @@ def test_a_rank_whose_step_was_restored_labels_its_first_record_with_that_step()
     """A rank added by a scale (or replaced by a recover) gets the step from the checkpoint or a
     survivor; a log before any training labels that step, as the survivors' logs do (it said 0)."""
     logger = _trainer()
-    logger.step = 20  # restored (workbench.engine.set_step, checkpoint restore)
+    logger.step = 20  # restored (workbench.rank.engine.set_step, checkpoint restore)
     logger.log(None, {"loss": 1.0})
     logger.log(None, {"loss": 1.0})
     assert _labels(logger) == [20, 21]

@@ -12,7 +12,7 @@ from conftest import fleet_processes
 from nbclient import NotebookClient
 
 from workbench import Fleet
-from workbench.testing import BusyMachine
+from workbench.kernel.testing import BusyMachine
 
 pytestmark = pytest.mark.fleet  # engines, kernels or installs: the slow tier
 

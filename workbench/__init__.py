@@ -8,7 +8,7 @@ import importlib
 import sys
 import types
 
-from .errors import CheckpointError, FleetError, OptionsError, WorkbenchError
+from workbench.errors import CheckpointError, FleetError, OptionsError, WorkbenchError
 
 # Loaded on first use, so that ``import workbench`` on an engine (every cell does it) loads
 # no kernel-side module: name -> (module, attribute or None for the module itself).
@@ -21,8 +21,10 @@ _LAZY = {
     "tune": (".trials", "tune"),
     "CellOptions": (".options", "CellOptions"),
     "FleetOptions": (".options", "FleetOptions"),
-    "DistributedCellError": (".execution", "DistributedCellError"),
-    "Fleet": (".fleet", "Fleet"),
+    "DistributedCellError": (".kernel.execution", "DistributedCellError"),
+    "Fleet": (".kernel.fleet", "Fleet"),
+    "current_fleet": (".kernel.magics", "current_fleet"),
+    "current_metrics": (".kernel.magics", "current_metrics"),
 }
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "FleetOptions",
     "DistributedCellError",
     "Fleet",
+    "current_fleet",
+    "current_metrics",
     "FleetError",
     "OptionsError",
     "WorkbenchError",
@@ -47,13 +51,13 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython):
-    from .magics import load_ipython_extension as load
+    from workbench.kernel.magics import load_ipython_extension as load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython):
-    from .magics import unload_ipython_extension as unload
+    from workbench.kernel.magics import unload_ipython_extension as unload
 
     unload(ipython)
 
@@ -77,13 +81,13 @@ class _Module(types.ModuleType):
     @property
     def step(self) -> int:
         """Training steps this rank has completed (``workbench.log`` calls or optimizer steps)."""
-        from .metrics.logger import LOGGER
+        from workbench.metrics.logger import LOGGER
 
         return LOGGER.step
 
     @step.setter
     def step(self, value: int) -> None:
-        from .metrics.logger import LOGGER
+        from workbench.metrics.logger import LOGGER
 
         LOGGER.step = int(value)
 

@@ -5,7 +5,7 @@ entry points (local, mpi, slurm, pbs, sge, lsf, htcondor, ssh, ...), and any of 
 starts a fleet's engines (``--launcher NAME``). :data:`KINDS` says what differs for a
 fleet; a launcher it does not name is taken as a batch system (:data:`BATCH`): its
 engines may run on other hosts, each rank its own job, ``--partition`` its queue.
-Pure data: the options (engine side too) read it; :mod:`.launchers` acts on it.
+Pure data: the options (engine side too) read it; :mod:`workbench.kernel.launchers` acts on it.
 """
 
 from __future__ import annotations

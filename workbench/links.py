@@ -1,6 +1,6 @@
 """Cutting a rank's links to a lost host, so that a collective waiting on it ends now.
 
-When a host is lost or cut off (:meth:`workbench.pool.EnginePool.lost_hosts_now`), the other
+When a host is lost or cut off (:meth:`workbench.kernel.pool.EnginePool.lost_hosts_now`), the other
 ranks may be blocked in a collective with its ranks, until the process group's timeout
 (``--pg-timeout``, 300 s by default). gloo's ``abort()`` does not end a collective already
 waiting, and these ranks are busy, so they cannot be asked through ipyparallel. The kernel

@@ -98,7 +98,7 @@ def measured_cpu_flops(size: int = 512, repeats: int = 8) -> float:
 def track_mfu(model, seq_len: int, device=None, peak: float | None = None) -> dict:
     """From now on, ``workbench.log(tokens=...)`` adds ``mfu`` (and ``tokens_per_s``) to this
     rank's metrics. Returns what it uses: flops_per_token, peak_flops, parameters."""
-    from .metrics.logger import LOGGER
+    from workbench.metrics.logger import LOGGER
 
     if device is None:
         device = next(model.parameters()).device

@@ -31,7 +31,7 @@ class MetricsMark(TypedDict):
 
 
 class CellReply(TypedDict):
-    """A rank's answer to a cell, a function call or a pull (:mod:`workbench.engine`)."""
+    """A rank's answer to a cell, a function call or a pull (:mod:`workbench.rank.engine`)."""
 
     ok: bool
     value: NotRequired[Any]  # the last expression's value (tensors on CPU), when asked for
@@ -46,7 +46,7 @@ class CellReply(TypedDict):
 
 
 class Identity(TypedDict):
-    """Who an engine is (:func:`workbench.rendezvous.identify`)."""
+    """Who an engine is (:func:`workbench.rank.rendezvous.identify`)."""
 
     slot: int  # the launch slot the fleet gave it (WORKBENCH_SLOT)
     pid: int
@@ -55,7 +55,7 @@ class Identity(TypedDict):
 
 
 class Joined(TypedDict):
-    """A rank that joined the process group (:func:`workbench.rendezvous.join`)."""
+    """A rank that joined the process group (:func:`workbench.rank.rendezvous.join`)."""
 
     rank: int
     device: str
@@ -63,7 +63,7 @@ class Joined(TypedDict):
 
 
 class Beat(TypedDict):
-    """A rank's heartbeat: what its main thread is doing (:class:`workbench.watchdog.HangWatch`)."""
+    """A rank's heartbeat: what its main thread is doing (:class:`workbench.kernel.watchdog.HangWatch`)."""
 
     stalled_s: float | None  # seconds without progress (steps, collectives launched) in user code
     stack: str | None  # the main thread's stack once it stalls

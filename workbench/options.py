@@ -2,7 +2,7 @@
 
 Each option is a field of a keyword-only dataclass, and the string under a field is its
 documentation: the magics' flags, defaults, choices and ``%fleet?`` help are generated from
-these classes (:mod:`workbench.flags`), in the style of torchtitan's job config. A field's
+these classes (:mod:`workbench.kernel.flags`), in the style of torchtitan's job config. A field's
 ``metadata`` says how it appears as a flag where the field name alone does not (``-n``,
 ``--no-wandb``, a metavar). Checks that need no running fleet are ``validate`` methods, so
 bad input is a one-line :class:`OptionsError` before anything starts.
@@ -16,10 +16,10 @@ import difflib
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, get_args
 
-from .errors import OptionsError, require_whole
-from .launcher_kinds import kind_of, launcher_names
-from .parallel.options import Schedule, check_parallel
-from .parallel.plan import ParallelPlan
+from workbench.errors import OptionsError, require_whole
+from workbench.launcher_kinds import kind_of, launcher_names
+from workbench.parallel.options import Schedule, check_parallel
+from workbench.parallel.plan import ParallelPlan
 
 Strategy = Literal["ddp", "fsdp", "hsdp", "none"]
 Precision = Literal["no", "fp16", "bf16"]
@@ -142,7 +142,7 @@ class CellOptions:
                 "on CPU use --mixed-precision bf16 or no"
             )
         if self.fsdp_wrap != "auto":
-            from .parallel.fsdp import parse_wrap
+            from workbench.parallel.fsdp import parse_wrap
 
             parse_wrap(self.fsdp_wrap)
             if self.strategy not in ("fsdp", "hsdp"):
@@ -268,7 +268,7 @@ class FleetOptions:
     """do not write TensorBoard event files (default: on when tensorboard is installed)"""
     sinks: list[str] | None = flag(None, name="--sink", metavar="NAME[,NAME]")
     """more places for the run's records: sinks by the name they were registered under (register_sink in
-    workbench.metrics.sinks, or a 'workbench.sinks' entry point)"""
+    workbench.kernel.metrics.sinks, or a 'workbench.sinks' entry point)"""
     checkpoint_dir: str | None = flag(None, metavar="DIR|URL")
     """where checkpoints go: a folder (shared by every host) or an fsspec URL such as s3://bucket/prefix (default:
     the run's folder); later fleets given the same place can restore what earlier ones saved"""
@@ -333,7 +333,7 @@ class FleetOptions:
 
     def placement(self):
         """The hosts of ``--hosts`` / ``--hostfile`` (a :class:`~workbench.placement.Hosts`), or None."""
-        from .placement import Hosts
+        from workbench.placement import Hosts
 
         if self.hosts and self.hostfile:
             raise OptionsError("give --hosts or --hostfile, not both")

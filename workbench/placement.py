@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from .errors import OptionsError
+from workbench.errors import OptionsError
 
 _ENTRY = re.compile(r"^(?P<host>[A-Za-z0-9_.@-]+)(?::(?P<n>\d+))?$")
 _HOSTFILE_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.@-]+)(?:\s*:\s*(?P<colon>\d+)|\s+slots\s*=\s*(?P<slots>\d+))?$")

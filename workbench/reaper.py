@@ -19,7 +19,7 @@ import psutil
 
 PIDS_FILE = "pids.json"
 POLL_S = 0.5
-IPP_MARKERS = ("ipyparallel", "ipengine", "ipcontroller", "workbench.template")
+IPP_MARKERS = ("ipyparallel", "ipengine", "ipcontroller", "workbench.rank.template")
 
 
 def write_pids(runtime_dir: str, pids: list[int]) -> None:

@@ -19,9 +19,9 @@ import sys
 import tempfile
 from datetime import timedelta
 
-from . import engine, rendezvous
-from .metrics.logger import LOGGER
-from .options import CellOptions
+from workbench.metrics.logger import LOGGER
+from workbench.options import CellOptions
+from workbench.rank import engine, rendezvous
 
 SCRIPT_PG_TIMEOUT_S = 1800.0
 
@@ -46,7 +46,7 @@ class ScriptRun:
 
     def _end_cell(self) -> None:
         if self._in_cell:
-            from .checkpoint.api import wait_for_staging
+            from workbench.checkpoint.api import wait_for_staging
 
             wait_for_staging()
             LOGGER.cell_finished()
@@ -57,7 +57,7 @@ class ScriptRun:
         metrics.jsonl, rank 0 prints the run's summary, and the process group is left."""
         import torch.distributed as dist
 
-        from .checkpoint.api import wait
+        from workbench.checkpoint.api import wait
 
         self._end_cell()
         wait()
@@ -125,8 +125,8 @@ def _open_run(runs_dir: str | None, spec) -> ScriptRun:
     shared: list = [None]
     run = None
     if spec.rank == 0:
-        from .metrics.live import FleetMetrics
-        from .runs import new_run_dir
+        from workbench.kernel.metrics.live import FleetMetrics
+        from workbench.kernel.runs import new_run_dir
 
         run_id, run_dir = new_run_dir(runs_dir)
         runtime_dir = tempfile.mkdtemp(prefix="workbench-script-")

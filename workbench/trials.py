@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .errors import OptionsError
-from .metrics.logger import LOGGER
-from .options import CellOptions, TuneOptions, parse_size
-from .rank import STATE, is_out_of_memory, namespace
+from workbench.errors import OptionsError
+from workbench.metrics.logger import LOGGER
+from workbench.options import CellOptions, TuneOptions, parse_size
+from workbench.rank.state import STATE, is_out_of_memory, namespace
 
 OUT_OF_MEMORY = "out of memory"
 OVER_MAX_MEMORY = "over --max-memory"
@@ -166,7 +166,7 @@ def _run(trial: Trial, step, build, make_optimizer, batch, options: TuneOptions,
     import torch.distributed as dist
     from accelerate.utils import send_to_device
 
-    from .strategies import build_accelerator
+    from workbench.rank.strategies import build_accelerator
 
     device = STATE.device
     accelerator = build_accelerator(trial.cell_options(), device.type, nodes)
@@ -276,7 +276,7 @@ def _restore_random_state(state: dict) -> None:
 def _restore_cell_accelerator(options: CellOptions | None) -> None:
     """Trials rebuilt accelerate's process-wide state; the cell's ``accelerator`` is built again
     (with its own options), and the next cell builds its own."""
-    from .engine import ensure_accelerator
+    from workbench.rank.engine import ensure_accelerator
 
     STATE.accelerator = None
     if options is not None:

@@ -2,10 +2,10 @@
 
 Inside ``%%distributed`` cells: ``workbench.checkpoint.save(...)``,
 ``restore(...)``, ``maybe_save(every=N)``, ``register(name, obj)``, ``wait()``.
-From the kernel: ``%checkpoint save|list|restore|rm`` (:mod:`.control`).
+From the kernel: ``%checkpoint save|list|restore|rm`` (:mod:`workbench.kernel.checkpoints`).
 On disk: :mod:`.layout`.
 """
 
-from .api import maybe_save, register, restore, save, wait
+from workbench.checkpoint.api import maybe_save, register, restore, save, wait
 
 __all__ = ["maybe_save", "register", "restore", "save", "wait"]

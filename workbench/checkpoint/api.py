@@ -21,13 +21,13 @@ import concurrent.futures
 import secrets
 import time
 
-from ..errors import CheckpointError
-from ..messages import Restored
-from ..rank import namespace
-from . import layout
-from .failures import describe, explain
-from .state import REGISTERED, CheckpointState
-from .storage import absolute, join, store_for
+from workbench.checkpoint import layout
+from workbench.checkpoint.failures import describe, explain
+from workbench.checkpoint.state import REGISTERED, CheckpointState
+from workbench.checkpoint.storage import absolute, join, store_for
+from workbench.errors import CheckpointError
+from workbench.messages import Restored
+from workbench.rank.state import namespace
 
 
 def _failure_types() -> tuple:
@@ -72,8 +72,8 @@ SAVES = _Saves()
 
 def _context():
     """(this rank's state, its rendezvous spec, the step logger), once the rank is in a fleet run."""
-    from ..metrics.logger import LOGGER
-    from ..rank import STATE
+    from workbench.metrics.logger import LOGGER
+    from workbench.rank.state import STATE
 
     spec = STATE.spec
     if spec is None or STATE.run_dir is None:
@@ -231,7 +231,7 @@ def _save(tag: str | None, async_: bool, retention: layout.Retention | None, str
     manifest = layout.Manifest(tag=tag, step=logger.step, world_size=spec.world_size,
                                strategy=strategy or _strategy(rank_state), created=time.time())
     if async_:
-        from . import writer as writer_process
+        from workbench.checkpoint import writer as writer_process
 
         writer_process.start()
     writer = store_for(folder).storage_writer(tmp, in_helper=async_)
@@ -331,7 +331,7 @@ def restore(tag: str = "latest") -> Restored:
     wait()
     import torch.distributed.checkpoint as dcp
 
-    from .safe_io import safe_planner, safe_reader
+    from workbench.checkpoint.safe_io import safe_planner, safe_reader
 
     _FAILURES = _failure_types()
     path = layout.resolve(rank_state.checkpoint_dir, tag)
@@ -365,7 +365,7 @@ def restore(tag: str = "latest") -> Restored:
 def refusals_at(world: int) -> list[str]:
     """Why this rank's training state cannot move to ``world`` ranks: data positions that cannot
     be resharded, per-rank registered objects. Empty when it can."""
-    from ..rank import STATE
+    from workbench.rank.state import STATE
 
     rank = STATE.spec.rank if STATE.spec else 0
     return CheckpointState(namespace(), rank, step=0, any_generation=True).live_refusals(world)

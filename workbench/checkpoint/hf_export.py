@@ -21,7 +21,7 @@ MODEL_PREFIX = "model/"
 def describe_model(name: str) -> dict | None:
     """On a rank: the Hugging Face config of the model ``name`` in its namespace, and its class
     as ``from_pretrained`` needs it (not the DDP/FSDP wrapper's); None for a plain module."""
-    from ..rank import namespace
+    from workbench.rank.state import namespace
 
     model = namespace().get(name)
     model = getattr(model, "module", model)  # DDP keeps the model in .module; FSDP2 subclasses it
@@ -34,16 +34,16 @@ def describe_model(name: str) -> dict | None:
 
 def prepared_models() -> list[str]:
     """On a rank: the names of its prepared models (what a checkpoint saves under ``model/``)."""
-    from ..metrics.logger import LOGGER
-    from ..rank import STATE, namespace
-    from .state import CheckpointState
+    from workbench.checkpoint.state import CheckpointState
+    from workbench.metrics.logger import LOGGER
+    from workbench.rank.state import STATE, namespace
 
     return sorted(CheckpointState(namespace(), STATE.spec.rank, LOGGER.step).objects["model"])
 
 
 def model_names(checkpoint: str) -> list[str]:
     """The prepared models a checkpoint holds (its ``model/<name>`` entries)."""
-    from .safe_io import safe_reader
+    from workbench.checkpoint.safe_io import safe_reader
 
     metadata = safe_reader(checkpoint).read_metadata()
     names = {key[len(MODEL_PREFIX):].split(".", 1)[0] for key in metadata.state_dict_metadata
@@ -56,7 +56,7 @@ def full_state_dict(checkpoint: str, name: str) -> dict:
     sharding), read in this process without a process group."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from .safe_io import safe_reader
+    from workbench.checkpoint.safe_io import safe_reader
 
     key = f"{MODEL_PREFIX}{name}"
     loaded = _load_state_dict_from_keys({key}, storage_reader=safe_reader(checkpoint))

@@ -17,9 +17,9 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 
-from ..errors import CheckpointError
-from .safe_io import referenced_files
-from .storage import MANIFEST, TMP_PREFIX, WRITERS, basename, is_url, join, store_for  # noqa: F401 - part of the layout
+from workbench.checkpoint.safe_io import referenced_files
+from workbench.checkpoint.storage import MANIFEST, TMP_PREFIX, WRITERS, basename, is_url, join, store_for  # noqa: F401 - part of the layout
+from workbench.errors import CheckpointError
 
 FORMAT = 1
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")

@@ -6,7 +6,7 @@ aside (:func:`keep`: references to the old objects' tensors, no copy); the
 setup cells are then replayed on every rank, and one survivor sends its state
 to every rank over the new group (:func:`share`). The work lost is the step in
 flight, not a checkpoint interval, and the data goes on exactly where that step left it
-(:mod:`workbench.data_position`). Any number of survivors works: they agree on the shared
+(:mod:`workbench.rank.data_position`). Any number of survivors works: they agree on the shared
 state (the one with the most completed steps sends it), each keeps its own RNG state; a
 replaced rank's RNG state died with it (it has its setup cells' seed).
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 
-from ..messages import KeptState, Restored
-from .state import PER_RANK_MARK, CheckpointState, is_per_rank, per_rank_key, set_rng_state
+from workbench.checkpoint.state import PER_RANK_MARK, CheckpointState, is_per_rank, per_rank_key, set_rng_state
+from workbench.messages import KeptState, Restored
 
 KEPT: dict | None = None  # this rank's state dict, set aside by keep() until share() or drop()
 KEPT_HOLDS: list | None = None  # which shards KEPT holds (:func:`_holding`)
@@ -37,8 +37,8 @@ def keep(again: bool = False) -> KeptState | None:
     that was interrupted set the state aside already (its setup replay may have replaced the
     objects since): that state is the one to keep."""
     global KEPT
-    from ..metrics.logger import LOGGER
-    from ..rank import STATE, namespace
+    from workbench.metrics.logger import LOGGER
+    from workbench.rank.state import STATE, namespace
 
     global KEPT_HOLDS
     rank = STATE.spec.rank if STATE.spec else 0
@@ -60,7 +60,7 @@ def keep(again: bool = False) -> KeptState | None:
 def holding() -> list | None:
     """After the setup replay: which shard this rank's freshly prepared models hold (None: the
     whole state; ``[]`` when it is sharded in a way no other rank shares)."""
-    from ..rank import STATE, namespace
+    from workbench.rank.state import STATE, namespace
 
     holds = _holding(CheckpointState(namespace(), STATE.spec.rank, 0).objects["model"])
     return holds or None if holds is not None else []
@@ -95,8 +95,8 @@ def share(sources: list) -> Restored:
     global KEPT
     import torch.distributed as dist
 
-    from ..metrics.logger import LOGGER
-    from ..rank import STATE, namespace
+    from workbench.metrics.logger import LOGGER
+    from workbench.rank.state import STATE, namespace
 
     rank = STATE.spec.rank
     own, KEPT = KEPT, None

@@ -14,7 +14,7 @@ import enum
 import io
 import pickle
 
-from ..errors import CheckpointError
+from workbench.errors import CheckpointError
 
 _ALLOWED = {
     ("collections", "OrderedDict"), ("builtins", "slice"), ("builtins", "set"), ("builtins", "frozenset"),
@@ -42,7 +42,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def safe_reader(path: str):
     """DCP's storage reader for ``path`` (a local folder or a URL) whose metadata is unpickled safely."""
-    from .storage import store_for
+    from workbench.checkpoint.storage import store_for
 
     class SafeFileSystemReader(store_for(path).reader_base()):
         def read_metadata(self, *args, **kwargs):

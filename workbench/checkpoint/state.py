@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import sys
 
-from ..errors import CheckpointError
+from workbench.errors import CheckpointError
 
 REGISTERED: dict[str, tuple[object, bool]] = {}  # name -> (object, per rank)
 
@@ -25,7 +25,7 @@ def prepared_objects(namespace: dict, any_generation: bool = False) -> dict[str,
     made recovery necessary; objects of older groups are leftovers no setup cell makes now)."""
     import torch
 
-    from ..rank import STATE
+    from workbench.rank.state import STATE
 
     prepared = {name: obj for name, obj in namespace.items()
                 if not name.startswith("_") and (getattr(obj, "_is_accelerate_prepared", False)
@@ -152,7 +152,7 @@ class CheckpointState:
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        from ..metrics.logger import LOGGER
+        from workbench.metrics.logger import LOGGER
 
         state: dict = {"workbench": {"step": self.step}, f"rng/{self.rank}": rng_state()}
         with LOGGER.not_counting():  # DCP runs a dummy optimizer step to create empty optimizer state
@@ -187,7 +187,7 @@ class CheckpointState:
 
     def refusals(self, loaded_positions: dict, saved_keys: set[str], saved_world: int, world: int) -> list[str]:
         """Why this checkpoint cannot go on at ``world`` ranks (every rank finds the same)."""
-        from ..data_position import refusal
+        from workbench.rank.data_position import refusal
 
         found = [refusal(_name(key), text, world)
                  for key, text in sorted(loaded_positions.items())]
@@ -203,7 +203,7 @@ class CheckpointState:
         recover changes anything)."""
         positions = {key: position.state() for key, position in self.positions().values()}
         per_rank = {f"user/{name}{PER_RANK_MARK}{self.rank}" for name, (_, mine) in REGISTERED.items() if mine}
-        from ..rank import STATE
+        from workbench.rank.state import STATE
 
         return self.refusals(positions, per_rank, STATE.world_size, world)
 
@@ -211,7 +211,7 @@ class CheckpointState:
         """Put loaded values back into the live objects; return what was restored."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        from ..metrics.logger import LOGGER
+        from workbench.metrics.logger import LOGGER
 
         restored = []
         for name, model in self.objects["model"].items():

@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from ..errors import CheckpointError
+from workbench.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"  # a local save's folder until it is committed: .tmp-<tag>-<nonce>
@@ -218,7 +218,7 @@ class LocalStore(Store):
     def storage_writer(self, path: str, in_helper: bool):
         from torch.distributed.checkpoint import FileSystemWriter
 
-        from .writer import HelperWriter
+        from workbench.checkpoint.writer import HelperWriter
 
         return (HelperWriter if in_helper else FileSystemWriter)(path, thread_count=1)
 
@@ -333,7 +333,7 @@ class ObjectStore(Store):
         return any(_writer_alive(name, age) for name, age in marks.items())
 
     def storage_writer(self, path: str, in_helper: bool):
-        from .writer import HelperObjectStoreWriter, ObjectStoreWriter
+        from workbench.checkpoint.writer import HelperObjectStoreWriter, ObjectStoreWriter
 
         return (HelperObjectStoreWriter if in_helper else ObjectStoreWriter)(path, thread_count=1)
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.futures import Future
 
-from ..rank import die_with_parent
+from workbench.rank.state import die_with_parent
 
 _HELPER: WriterProcess | None = None
 

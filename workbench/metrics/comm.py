@@ -1,6 +1,6 @@
 """Engine side: the time during which this rank's collectives were in flight (:class:`CommClock`).
 
-Fed by :mod:`.instrument` (DDP's own statistics, timed comm hooks, FSDP2's collectives) and
+Fed by :mod:`workbench.rank.instrument` (DDP's own statistics, timed comm hooks, FSDP2's collectives) and
 read by the step logger (:mod:`.logger`) at the end of each step.
 """
 

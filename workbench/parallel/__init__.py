@@ -12,12 +12,12 @@
 and the world, checked against the rules of :mod:`.options`.
 
 :func:`prepare_model` applies these in ``accelerator.prepare``
-(:mod:`workbench.instrument`); accelerate then only places the model,
+(:mod:`workbench.rank.instrument`); accelerate then only places the model,
 and wraps optimizers, schedulers and dataloaders as usual.
 """
 
-from .fsdp import UnshardedPeak, blocks, fsdp_unit_count, fsdp_units
-from .model import prepare_model
-from .plan import ParallelPlan
+from workbench.parallel.fsdp import UnshardedPeak, blocks, fsdp_unit_count, fsdp_units
+from workbench.parallel.model import prepare_model
+from workbench.parallel.plan import ParallelPlan
 
 __all__ = ["ParallelPlan", "UnshardedPeak", "blocks", "fsdp_unit_count", "fsdp_units", "prepare_model"]

@@ -16,7 +16,7 @@ WRAP_AUTO, WRAP_NONE = "auto", "none"
 
 def parse_wrap(text: str) -> tuple[str, ...]:
     """``auto`` / ``none`` / ``ClassName[,ClassName]`` → ("auto",) / () / the class names."""
-    from ..errors import OptionsError
+    from workbench.errors import OptionsError
 
     text = (text or "").strip()
     if text.lower() == WRAP_AUTO:
@@ -79,7 +79,7 @@ def fsdp_units(model, wrap: str = WRAP_AUTO) -> list:
         return _outermost(model, lambda m: id(m) in found)
     units = _outermost(model, lambda m: type(_inner(m)).__name__ in names)
     if not units:
-        from ..errors import OptionsError
+        from workbench.errors import OptionsError
 
         classes = sorted({type(_inner(m)).__name__ for m in model.modules() if _has_params(m)} - {type(model).__name__})
         raise OptionsError(f"--fsdp-wrap {','.join(names)} matched no module of {type(model).__name__}; "

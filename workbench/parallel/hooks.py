@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .options import parse_comm_hook
+from workbench.parallel.options import parse_comm_hook
 
 
 def comm_hook(spec: str | None):

@@ -14,7 +14,7 @@ def checkpoint_activations(model) -> int:
         checkpoint_wrapper,
     )
 
-    from .fsdp import blocks
+    from workbench.parallel.fsdp import blocks
 
     chosen = {id(b) for b in blocks(model)}
     if not chosen:
@@ -28,7 +28,7 @@ def _hsdp(model, mesh, mixed_precision: str, wrap: str) -> None:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .fsdp import shard_units
+    from workbench.parallel.fsdp import shard_units
 
     policy = MixedPrecisionPolicy()
     if mixed_precision == "bf16":
@@ -47,7 +47,7 @@ def prepare_model(model, options, mesh, device, fsdp_unit_kwargs: dict | None = 
 
     before = {name.replace(CHECKPOINT_PREFIX, ""): p for name, p in model.named_parameters()}
     if options.tp > 1:
-        from .tensor import tensor_parallel
+        from workbench.parallel.tensor import tensor_parallel
 
         tensor_parallel(model, mesh)
     if options.activation_checkpointing:
@@ -57,11 +57,11 @@ def prepare_model(model, options, mesh, device, fsdp_unit_kwargs: dict | None = 
     elif options.tp > 1 and mesh["dp"].size() > 1:
         fully_shard(model, mesh=mesh["dp"])
     elif fsdp_unit_kwargs is not None:
-        from .fsdp import shard_units
+        from workbench.parallel.fsdp import shard_units
 
         shard_units(model, options.fsdp_wrap, **fsdp_unit_kwargs)
     elif options.pp > 1:
-        from .pipeline import PipelinedModel
+        from workbench.parallel.pipeline import PipelinedModel
 
         model = PipelinedModel(model, options, mesh, device)
     after = {name.replace(CHECKPOINT_PREFIX, "").removeprefix("stage."): p for name, p in model.named_parameters()}

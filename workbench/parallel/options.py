@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from ..errors import OptionsError, require_whole
+from workbench.errors import OptionsError, require_whole
 
 COMM_HOOKS = ("fp16", "bf16", "powersgd")
 Schedule = Literal["gpipe", "1f1b"]

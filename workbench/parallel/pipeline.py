@@ -87,7 +87,7 @@ class PipelinedModel(torch.nn.Module):
         """
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-        from ..metrics.logger import LOGGER
+        from workbench.metrics.logger import LOGGER
 
         if loss_fn is None:
             raise TypeError("train_step needs loss_fn=, e.g. torch.nn.functional.mse_loss")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import OptionsError
-from .options import check_parallel
+from workbench.errors import OptionsError
+from workbench.parallel.options import check_parallel
 
 
 @dataclass(frozen=True)

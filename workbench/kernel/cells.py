@@ -1,0 +1,136 @@
+"""Kernel side: a cell's way onto the fleet (``Fleet.execute`` / ``Fleet.run``).
+
+Before a cell runs: the ranks it names and its options are checked against the fleet,
+an engine that died since the last cell is recovered (or the user is told how), and
+ranks replaced by fresh engines refuse cells until ``%fleet recover``. While it runs,
+:mod:`workbench.kernel.execution` streams and supervises it. When a rank is lost during it,
+``--auto-recover`` recovers and runs it again. After it: setup and training cells are
+recorded for replay and export, and stragglers are named (:mod:`workbench.kernel.elastic`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+from workbench.errors import FleetError, OptionsError
+from workbench.kernel import execution
+from workbench.kernel.elastic import auto_recover, handle_stragglers, recover_if_dead, refuse_if_unfinished
+from workbench.kernel.metrics.store import WINDOW
+from workbench.options import CellOptions
+from workbench.rank import engine
+
+
+def targets(fleet, ranks) -> list[int]:
+    """``ranks`` (None: all) checked against ``fleet``: a sorted list, or a one-line error."""
+    if not fleet.running:
+        raise FleetError("no fleet is running; start one with %fleet start -n 2 (or Fleet(n=2).start())")
+    if fleet.parked is not None:  # the next command brings a parked fleet back
+        fleet.unpark()
+    if ranks is None:
+        return list(range(fleet.world_size))
+    if isinstance(ranks, int):
+        ranks = [ranks]
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise OptionsError(f"ranks are whole numbers, e.g. ranks=[0, 1] (got {list(ranks)!r})")
+    ranks = sorted(set(ranks))
+    bad = [r for r in ranks if not 0 <= r < fleet.world_size]
+    if bad or not ranks:
+        raise OptionsError(
+            f"rank {','.join(map(str, bad)) or '(none)'} is out of range: this fleet has ranks "
+            f"0-{fleet.world_size - 1}"
+        )
+    return ranks
+
+
+def _admit(fleet, options: CellOptions, ranks) -> list[int]:
+    """The cell's target ranks (a one-line error if they or its options do not fit the fleet)."""
+    chosen = targets(fleet, ranks)
+    options.validate(fleet.device_type, fleet.world_size, fleet.nodes, fleet.backend)
+    if (options.custom_parallel or options.comm_hook) and len(chosen) != fleet.world_size:
+        raise OptionsError("hsdp, --tp, --pp and --comm-hook need every rank (they build the mesh or DDP "
+                           "on the whole group); drop --ranks")
+    return chosen
+
+
+def _refuse_unrecovered(fleet) -> None:
+    """A replaced rank has an empty namespace, or a scale or recover stopped half-way: running
+    cells before %fleet recover would leave ranks at different steps and parameters (and end in
+    a collective timeout)."""
+    refuse_if_unfinished(fleet)
+    fresh = fleet.session.fresh_ranks
+    if fresh and not fleet.session.replaying:
+        raise FleetError(f"rank {','.join(map(str, fresh))} was replaced by a fresh engine (empty "
+                         "namespace); run %fleet recover first, so that every rank has the same state")
+
+
+def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
+            return_value: bool = False, show_output: bool = True, setup: bool = False,
+            show_all_progress: bool = False, stop_on_nan: bool = False) -> execution.CellResult:
+    """Run ``code`` as a cell on ``ranks`` of ``fleet`` (see ``Fleet.execute``)."""
+    chosen = _admit(fleet, options, ranks)
+    if setup and ranks is not None and len(chosen) != fleet.world_size:
+        raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
+    refuse_if_unfinished(fleet)  # before a dead engine's message: the command left engines half set up
+    recover_if_dead(fleet)
+    _refuse_unrecovered(fleet)
+    name = fleet.session.next_cell_name()
+    args = (code, options.to_dict(), name, return_value, not return_value, stop_on_nan)
+    try:
+        with _recorded(fleet, name, options, chosen, setup) as replies:
+            result = execution.run_on_ranks(fleet, chosen, engine.run_cell, args, timeout=timeout,
+                                            show_output=show_output, title=name, all_progress=show_all_progress)
+            replies.update(result.replies)
+    except execution.DistributedCellError as exc:
+        what = ("; ".join(dict.fromkeys(exc.lost.values())) if exc.lost  # rank 1 died (…, SIGKILL); host hostB lost (…)
+                else f"rank {','.join(map(str, exc.dead))} died" if exc.dead
+                else f"rank {','.join(map(str, exc.hung))} hung")
+        if not ((exc.dead or exc.hung) and auto_recover(fleet, f"{what} during the cell", again=True)):
+            raise
+        return execute(fleet, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
+                       show_output=show_output, setup=setup, show_all_progress=show_all_progress,
+                       stop_on_nan=stop_on_nan)
+    fleet.session.cell_ran(code, options, setup=setup, on_every_rank=ranks is None)
+    fleet.adopt_spares()  # spares that registered while the cell ran get warm now
+    if not fleet.session.replaying:
+        handle_stragglers(fleet)
+    return result
+
+
+@contextlib.contextmanager
+def _recorded(fleet, name: str, options: CellOptions, ranks: list[int], setup: bool):
+    """The cell in the run's record (``run.json``): flags, ranks, start, end, status, its
+    scalars' last values, and the ranks' ``workbench.config``."""
+    started, first = time.time(), len(fleet.metrics.store) if fleet.metrics else 0
+    status, error, replies = "ok", "", {}
+    try:
+        yield replies  # the ranks' replies, filled in by the caller
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    except BaseException as exc:
+        status, error = "failed", str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise
+    finally:
+        if fleet.record is not None:
+            flags = {k: v for k, v in options.to_dict().items() if v != getattr(CellOptions(), k)}
+            if setup:
+                flags["setup"] = True
+            store = fleet.metrics.store if fleet.metrics else None
+            records = store.since(max(first, len(store) - WINDOW)) if store is not None else []
+            fleet.record_config({k: v for rank in sorted(replies, reverse=True)  # rank 0's value wins
+                                 for k, v in (replies[rank].get("config") or {}).items()})
+            fleet.record.cell(name, flags, ranks, started, status, error, records)
+
+
+def call(fleet, function: Callable, args: tuple, kwargs: dict, options: CellOptions, *, ranks=None,
+         timeout: float | None = None, show_output: bool = True) -> execution.CellResult:
+    """Call ``function(*args, **kwargs)`` on ``ranks`` of ``fleet``, with a cell's names defined."""
+    chosen = _admit(fleet, options, ranks)
+    _refuse_unrecovered(fleet)
+    return execution.run_on_ranks(
+        fleet, chosen, engine.run_function, (function, args, kwargs, options.to_dict()), timeout=timeout,
+        show_output=show_output, title=f"function {getattr(function, '__qualname__', 'call')}",
+    )
+

@@ -1,0 +1,463 @@
+"""Run one cell (or function) on a set of ranks and bring the outcome back.
+
+While the ranks run, their output streams live (:mod:`workbench.kernel.output`). If a
+rank fails, the others are stopped: peers blocked in a gloo collective are
+released by destroying the process group on the ranks that are already idle,
+running ranks get SIGINT, and a rank that still does not stop is killed and
+replaced. An interrupt (Ctrl-C, Jupyter's stop button) or ``--timeout`` walks
+the same ladder starting with SIGINT; so does a hung rank (no heartbeat, or no
+progress, for the fleet's ``hang_timeout``: :mod:`workbench.kernel.watchdog`), which
+is killed and replaced if SIGINT does not stop it. Ranks left waiting in a
+collective after a peer finished the cell are stopped within seconds the same way
+(a mismatched collective, also :mod:`workbench.kernel.watchdog`). Afterwards the process group is checked
+and rebuilt if it may be inconsistent, so the next cell works.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from workbench import links
+from workbench.errors import FleetError, WorkbenchError
+from workbench.kernel.notices import debug, notice
+from workbench.kernel.output import RankOutput, last_line
+from workbench.kernel.pool import PROBE_TIMEOUT_S, QUIET_S
+from workbench.kernel.watchdog import HangWatch
+from workbench.messages import CellReply
+from workbench.rank import rendezvous
+
+POLL_S = 0.1  # streaming refresh and timeout granularity; results wake us at once
+FAILURE_GRACE_S = 0.2  # let ranks failing with the same error report together
+OUTPUT_WAIT_S = 2.0  # a reply can arrive before the rank's last output (separate zmq streams)
+PID_CHECK_S = 0.5  # how often running ranks' processes are checked (local engines)
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    ename: str
+    evalue: str
+    traceback: str
+    stopped: bool = False  # the rank was stopped by workbench, not the first to fail
+
+
+@dataclass
+class CellResult:
+    ranks: list[int]
+    replies: dict[int, dict] = field(default_factory=dict)
+
+    def values(self) -> list:
+        return [self.replies[r].get("value") for r in self.ranks]
+
+    def display(self, rank: int) -> dict | None:
+        reply = self.replies.get(rank)
+        return reply.get("display") if reply else None
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """The kernel was interrupted during a cell. IPython shows only the ranks' report (one line a
+    group of ranks, and the tracebacks of ranks that failed), not workbench's own frames."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [*str(self).splitlines(), "KeyboardInterrupt"]
+
+
+CellInterrupted.__name__ = CellInterrupted.__qualname__ = "KeyboardInterrupt"  # what notebook tools and users see
+
+class DistributedCellError(WorkbenchError):
+    """One or more ranks raised. Each distinct traceback is shown once."""
+
+    def __init__(
+        self, failures: list[RankFailure], world: int, notes: list[str], interrupted: bool = False,
+        timed_out: float | None = None, dead: list[int] | None = None, hung: list[int] | None = None,
+        lost: dict[int, str] | None = None,
+    ):
+        self.failures = sorted(failures, key=lambda f: f.rank)
+        self.dead = dead or []  # ranks whose engine died (and was replaced) during the cell
+        self.lost = lost or {}  # rank -> "rank 1 died (engine 3, pid 123, SIGKILL)": the root cause
+        self.hung = hung or []  # ranks that hung (stopped, or killed and replaced)
+        self.failed_at: float | None = None  # time.time() when the kernel saw the first rank fail
+        self.world = world
+        self.notes = notes
+        self.interrupted = interrupted
+        primary = [f for f in self.failures if not f.stopped]
+        first = primary or self.failures
+        lead = first[0]
+        ranks = _ranks([f.rank for f in first if f.traceback == lead.traceback])
+        what = f"{lead.ename}: {lead.evalue}"
+        if lead.ename == "SystemExit" and not interrupted:  # exit(n) in the cell or its script, as torchrun says it
+            super().__init__(f"rank {ranks} of {world} exited with code {lead.evalue}")
+            return
+        if interrupted:
+            what = "interrupted"
+        elif timed_out is not None and not primary:
+            what = f"timed out after --timeout {timed_out:g} s"
+        if self.lost and not interrupted:  # the root cause leads, not a survivor's "Connection closed"
+            causes = "; ".join(dict.fromkeys(self.lost.values()))  # a lost host's ranks share one headline
+            super().__init__(f"{causes}; the other ranks failed because of it")
+            return
+        super().__init__(f"{what} (rank {ranks} of {world})")
+
+    def groups(self) -> list[tuple[list[int], RankFailure]]:
+        """Distinct tracebacks of the ranks that failed, each with its ranks."""
+        grouped: dict[str, list[RankFailure]] = {}
+        for failure in self.failures:
+            if not failure.stopped:
+                grouped.setdefault(failure.traceback, []).append(failure)
+        return [([f.rank for f in fs], fs[0]) for fs in grouped.values()]
+
+    def report(self) -> str:
+        if self.lost and not self.interrupted:
+            return self._lost_report()
+        lines = []
+        for ranks, failure in self.groups():
+            if failure.ename == "SystemExit":
+                lines.append(f"── rank {_ranks(ranks)} of {self.world} exited with code {failure.evalue} ──")
+            else:
+                lines.append(f"── {failure.ename} on rank {_ranks(ranks)} of {self.world} ──")
+            lines.append(failure.traceback.rstrip() or f"{failure.ename}: {failure.evalue}")
+        stopped = [f for f in self.failures if f.stopped]
+        if stopped:
+            why = "the interrupt" if self.interrupted else "the failure above" if self.groups() else "the timeout"
+            lines.append(f"rank {_ranks([f.rank for f in stopped])} stopped because of {why} "
+                         f"({stopped[0].ename}: {last_line(stopped[0].evalue)})")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+    def _lost_report(self) -> str:
+        """A rank died: its loss first, each peer's consequent error in one line, then what to do;
+        the peers' full tracebacks stay at the end."""
+        lines = [f"── {'; '.join(self.lost.values())} ──"]
+        followers = [f for f in self.failures if f.rank not in self.lost]
+        lines += [f"rank {f.rank}: {f.ename}: {last_line(f.evalue, 160)} (because of it)" for f in followers]
+        lines.extend(self.notes)
+        traced = [(ranks, f) for ranks, f in self.groups() if f.traceback and not set(ranks) & set(self.lost)]
+        if traced:
+            lines.append("── full tracebacks of the other ranks ──")
+            for ranks, failure in traced:
+                lines.append(f"rank {_ranks(ranks)}:")
+                lines.append(failure.traceback.rstrip())
+        return "\n".join(lines)
+
+    def _render_traceback_(self) -> list[str]:
+        return self.report().splitlines()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in sorted(ranks))
+
+
+class _Stopper:
+    """The ladder that ends a cell on every rank: SIGINT, release, kill."""
+
+    def __init__(self, reason: str, now: float) -> None:
+        self.reason = reason
+        self.at = now
+        if reason == "failure":
+            self.steps = [(FAILURE_GRACE_S, "release"), (FAILURE_GRACE_S, "sigint"), (3.5, "kill")]
+        elif reason == "hang":  # a frozen rank ignores SIGINT: killing it releases its peers
+            self.steps = [(0.0, "sigint"), (1.0, "release"), (2.0, "kill-hung"), (6.0, "kill")]
+        else:  # interrupt or timeout
+            self.steps = [(0.0, "sigint"), (1.0, "release"), (5.0, "kill")]
+        self.done: list[str] = []
+
+    def due(self, now: float) -> list[str]:
+        ready = [action for delay, action in self.steps if now - self.at >= delay and action not in self.done]
+        self.done.extend(ready)
+        return ready
+
+    def postpone(self, action: str, delay: float) -> None:
+        """Take ``action`` again ``delay`` seconds after the start (it was due, and waits for news)."""
+        self.steps = [(delay if a == action else d, a) for d, a in self.steps]
+        self.done.remove(action)
+
+    def hurry(self) -> None:
+        """A second interrupt: go straight to the last step."""
+        self.steps = [(0.0, action) for _, action in self.steps]
+
+
+def _metadata(ar, attr: str):
+    """``ar.<attr>`` of a one-engine request, read from its metadata dict: the attribute
+    re-parses every date in it (dateutil), which cost more than the empty cell itself."""
+    metadata = getattr(ar, "_metadata", None)
+    return metadata[0].get(attr) if isinstance(metadata, list) and len(metadata) == 1 else getattr(ar, attr)
+
+
+def _stream_text(ar, attr: str) -> str:
+    value = _metadata(ar, attr)
+    if isinstance(value, list):
+        value = "".join(value)
+    return value or ""
+
+
+def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None, show_output=True,
+                 title: str | None = None, all_progress: bool = False) -> CellResult:
+    """Apply ``function(*args)`` on every rank in ``ranks`` and collect the replies.
+
+    ``title``: keep each rank's output in the run's ``logs/rank-<N>.log`` under this header.
+    ``all_progress``: show every rank's progress bars (else the first rank's only).
+
+    Raises :class:`DistributedCellError` if any rank failed, and
+    ``KeyboardInterrupt`` after an interrupt (once every rank has stopped). ``Fleet.stop()``
+    from another thread stops the ranks the same way, then this raises a one-line FleetError.
+    """
+    previous, fleet.cell_thread = fleet.cell_thread, threading.get_ident()
+    try:
+        return _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all_progress)
+    finally:
+        fleet.cell_thread = previous
+
+
+def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all_progress) -> CellResult:
+    started = time.monotonic()
+    watch = fleet.metrics.watch(show_output)  # before submitting: a quick rank's records can arrive at once
+    pending = {r: fleet.pool.view(fleet.member(r).engine_id).apply_async(function, *args) for r in ranks}
+    submitted = dict(pending)  # pending loses ranks as they finish; their output stays
+    output = RankOutput(ranks, all_progress=all_progress) if show_output else None
+    hang_watch = HangWatch(fleet, ranks, fleet.options.hang_timeout or None)
+    hangs = []
+    shown_outputs = 0
+    result = CellResult(ranks)
+    failures: list[RankFailure] = []
+    stopper: _Stopper | None = None
+    failed_at = None
+    released = killed = False
+    interrupted = timed_out = False
+    last_health_check = started
+
+    def refresh(force=False):
+        nonlocal shown_outputs
+        watch.poll()
+        if output is None:
+            return
+        output.update({r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr")) for r, ar in submitted.items()},
+                      force=force)
+        outs = _metadata(submitted[ranks[0]], "outputs") or []
+        if output.live_blocks and len(outs) > shown_outputs:
+            from IPython.display import display
+
+            for item in outs[shown_outputs:]:
+                display(item.get("data", {}), raw=True, metadata=item.get("metadata", {}))
+            shown_outputs = len(outs)
+
+    while pending:
+        try:
+            concurrent.futures.wait(list(pending.values()), timeout=POLL_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            now = time.monotonic()
+            for rank, ar in list(pending.items()):
+                if not ar.ready():
+                    continue
+                del pending[rank]
+                reply = _reply(ar)
+                result.replies[rank] = reply
+                if not reply["ok"]:
+                    late = stopper is not None and any(a in stopper.done for a in ("release", "sigint"))
+                    failures.append(RankFailure(rank, reply["ename"], reply["evalue"], reply["traceback"], late))
+                    if stopper is None:
+                        stopper = _Stopper("failure", now)
+                        failed_at = time.time()
+            if now - last_health_check >= PID_CHECK_S:  # ranks that can never answer
+                last_health_check = now
+                for rank in fleet.pool.gone_ranks(sorted(pending)):  # a dead engine whose nanny died too
+                    del pending[rank]
+                    reply = CellReply(ok=False, ename="EngineError", evalue="the engine's process is gone",
+                                      traceback="")
+                    result.replies[rank] = reply
+                    failures.append(RankFailure(rank, reply["ename"], reply["evalue"], ""))
+                    if stopper is None:
+                        stopper, failed_at = _Stopper("failure", now), time.time()
+                # a host that died or is cut off
+                if fleet.metrics is not None and (lost_now := fleet.pool.lost_hosts_now(fleet.metrics.store,
+                                                                                        time.time())):
+                    for host in lost_now:  # the others' collectives with it end now, their state kept
+                        links.order_cut(fleet.run_dir, host, links.addresses_of(host))
+                    for rank in sorted(pending):
+                        if (headline := lost_now.get(fleet.member(rank).host)) is not None:
+                            failures.append(RankFailure(rank, "HostLost", headline, ""))
+                        else:  # in a collective with the lost ranks: it ends the cell by itself, state kept
+                            failures.append(RankFailure(rank, "Abandoned", "left waiting for the lost host", "",
+                                                        stopped=True))
+                        result.replies[rank] = CellReply(ok=False, ename=failures[-1].ename,
+                                                         evalue=failures[-1].evalue, traceback="")
+                    pending.clear()
+                    failed_at = failed_at or time.time()
+                    break
+            if fleet.stop_requested.is_set() and stopper is None:  # Fleet.stop() from another thread
+                interrupted, stopper = True, _Stopper("interrupt", now)
+            if timeout is not None and stopper is None and now - started > timeout:
+                timed_out = True
+                stopper = _Stopper("timeout", now)
+            if stopper is None and pending:
+                finished = sorted(r for r, reply in result.replies.items() if reply["ok"])
+                if hangs := hang_watch.mismatched(pending, finished):
+                    stopper = _Stopper("failure", now)  # releasing the finished ranks ends the collective
+                    failed_at = time.time()
+                elif hangs := hang_watch.check(pending):
+                    stopper = _Stopper("hang", now)
+                    failed_at = time.time()
+            refresh()
+            if stopper is not None and pending:
+                for action in stopper.due(now):
+                    released |= _act(fleet, action, pending) == "released"
+                    if action == "kill-hung" and (stuck := _worst([h for h in hangs if h.rank in pending])):
+                        killed = True
+                        _kill(fleet, pending, failures, result, stuck)
+                    if action == "kill" and pending:
+                        quiet = [r for r in pending if fleet.pool.quiet(r, fleet.metrics.store, time.time())
+                                 and now - stopper.at < 3 * QUIET_S + PROBE_TIMEOUT_S]
+                        if quiet:
+                            stopper.postpone("kill", now - stopper.at + 0.5)  # its host may be lost: wait to know
+                        if doomed := sorted(r for r in pending if r not in quiet):
+                            killed = True
+                            _kill(fleet, pending, failures, result, doomed)
+        except KeyboardInterrupt:
+            interrupted = True
+            if stopper is None or stopper.reason == "failure":
+                stopper = _Stopper("interrupt", time.monotonic())
+            else:
+                stopper.hurry()
+    if fleet.stop_requested.is_set():
+        raise FleetError("the fleet was stopped from another thread while this cell ran (Fleet.stop()); "
+                         "every rank was stopped")
+    logged = title is not None and fleet.rank_logs is not None
+    if output is not None or logged:  # the rank logs keep the output even when it is not shown
+        _wait_for_output(submitted, result.replies)
+    refresh(force=True)
+    if logged:
+        fleet.rank_logs.cell(title, {r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr"))
+                                     for r, ar in submitted.items()})
+    watch.finish(result.replies)
+    for text in sorted({n for reply in result.replies.values() for n in reply.get("notices", ())}):
+        notice(text)
+
+    frozen = any(h.frozen for h in hangs)
+    for hang in hangs:  # the hang is the rank's error, whatever stopping it raised there
+        failures = [f for f in failures if f.rank != hang.rank]
+        # with a frozen rank, the others only waited for it
+        failures.append(RankFailure(hang.rank, hang.ename, hang.why, hang.text(),
+                                    stopped=frozen and not hang.frozen))
+    torn_down = sorted(r for r, reply in result.replies.items() if reply.get("group_intact") is False)
+    lost: dict[int, str] = {}
+    notes, dead = _repair(fleet, bool(failures) or interrupted or timed_out or bool(torn_down),
+                          released or killed or bool(torn_down), killed, lost)
+    if torn_down and not failures:
+        notice(f"the cell tore down the default process group on rank {_ranks(torn_down)} "
+               "(destroy_process_group or its own init_process_group); it was rebuilt for the next cell — "
+               "objects prepared before are bound to the old group: prepare them again")
+    if timed_out:
+        notes.insert(0, f"the cell ran past --timeout {timeout:g} s and was stopped on every rank")
+    if interrupted:
+        if not failures:  # every rank handled the interrupt (a loop that catches KeyboardInterrupt)
+            notice("interrupted; every rank ended the cell cleanly")
+            return result
+        debug("the cell was interrupted; workbench's own frames (not shown with the report):\n"
+              + "".join(traceback.format_stack()))
+        raise CellInterrupted(DistributedCellError(failures, fleet.world_size, notes, interrupted=True).report())
+    if failures:
+        error = DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None,
+                                     dead=dead, hung=[h.rank for h in hangs], lost=lost)
+        error.failed_at = failed_at
+        raise error
+    return result
+
+
+def _wait_for_output(submitted: dict, replies: dict) -> None:
+    """Wait (briefly) for the output of every rank that answered; a killed or dead one sends none."""
+    deadline = time.monotonic() + OUTPUT_WAIT_S
+    for rank, ar in submitted.items():
+        if ar.ready() and replies.get(rank, {}).get("ename") not in ("EngineError", "Killed"):
+            ar.wait_for_output(max(0.0, deadline - time.monotonic()))
+
+
+def _reply(ar) -> CellReply:
+    try:
+        return ar.get()
+    except Exception as exc:  # the engine died or could not run the request at all
+        ename = getattr(exc, "ename", type(exc).__name__)
+        evalue = getattr(exc, "evalue", str(exc))
+        return CellReply(ok=False, ename=ename, evalue=evalue, traceback=f"{ename}: {evalue}")
+
+
+def _act(fleet, action: str, pending: dict) -> str:
+    running = sorted(pending)
+    if action == "sigint":
+        fleet.pool.signal(running, signal.SIGINT)
+    elif action == "release":
+        idle = [r for r in range(fleet.world_size) if r not in pending and not fleet.pool.on_lost_host(r)]
+        if idle:
+            # closing the group's sockets on idle ranks releases peers blocked in a collective
+            peers = [fleet.member(r).pid for r in running]
+            try:  # not waited for: the cell's loop goes on watching (a lost host, the kill step)
+                fleet.client[fleet.engine_ids(idle)].apply_async(rendezvous.leave, peers)
+            except Exception:
+                pass  # an idle rank that cannot answer is handled by the kill step
+            return "released"
+    return action
+
+
+def _worst(hangs) -> list[int]:
+    """The hung ranks to kill first: the frozen ones if any (their peers wait on them)."""
+    frozen = [h.rank for h in hangs if h.frozen]
+    return frozen or [h.rank for h in hangs]
+
+
+def _kill(fleet, pending: dict, failures: list[RankFailure], result: CellResult, stuck: list[int]) -> None:
+    for rank in stuck:
+        reply = CellReply(ok=False, ename="Killed", evalue="did not stop within a few seconds; engine replaced",
+                          traceback="")
+        result.replies[rank] = reply
+        failures.append(RankFailure(rank, reply["ename"], reply["evalue"], "", stopped=True))
+        del pending[rank]
+    fleet.replace(stuck)
+
+
+def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tuple[list[str], list[int]]:
+    """Rebuild the process group if the cell may have left it inconsistent.
+
+    Returns notes for the user and the ranks whose engine had died (now replaced); ``lost``
+    gets a headline for each of those.
+    """
+    if not abnormal:
+        return [], []
+    dead = fleet.pool.dead_ranks()
+    losses = {r: fleet.pool.loss(r) for r in dead}  # (headline, explanation), before the engines are replaced
+    causes = {r: explanation for r, (_, explanation) in losses.items()}
+    lost.update({r: headline for r, (headline, _) in losses.items()})
+    if any(fleet.pool.on_lost_host(r) for r in dead):  # the survivors keep their state for %fleet recover
+        hosts = sorted({fleet.member(r).host for r in dead if fleet.pool.on_lost_host(r)})
+        return [f"{'; '.join(fleet.pool.lost_hosts[h] for h in hosts)}. The other ranks keep their state: "
+                "%fleet recover --shrink goes on without the lost ranks, %fleet recover puts them on a host with a "
+                "free --hosts slot; other cells are refused until then"], dead
+    if dead:
+        fleet.replace(dead)
+        torn = True
+    if not torn:
+        checks = fleet.client[fleet.engine_ids()].apply_async(rendezvous.healthy, 3.0)
+        try:
+            if all(checks.get(timeout=10)):
+                return [], []
+        except Exception:
+            pass
+    try:
+        fleet.rendezvous()
+    except WorkbenchError as exc:
+        return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"], dead
+    if fleet.session.fresh_ranks:
+        what = ("; ".join(causes.values()) if dead else "a rank that did not stop was killed" if killed
+                else "a rank died while the process group was rebuilt")
+        return [f"{what}. It was replaced by a fresh engine with an empty namespace: run %fleet recover next "
+                "(rebuilds the group, replays the --setup cells and gives every rank a survivor's state or the "
+                "latest checkpoint, so all ranks agree); other cells are refused until then"], dead
+    notes = ["the process group was rebuilt; models and optimizers prepared before are bound to the old "
+             "group: run the cell that calls accelerator.prepare again"]
+    if dead or killed:  # every rank was replaced: they all start from empty namespaces
+        notes = ["every rank was replaced by a fresh engine (empty namespaces; "
+                 + "; ".join(causes.values() or ["ranks that did not stop were killed"])
+                 + "): run your setup cells again, or %fleet recover to replay them and restore the latest checkpoint"]
+    return notes, dead
