@@ -208,163 +208,218 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     """
     previous, fleet.cell_thread = fleet.cell_thread, threading.get_ident()
     try:
-        return _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all_progress)
+        return _CellRun(fleet, ranks, timeout, show_output, all_progress).run(function, args, title)
     finally:
         fleet.cell_thread = previous
 
 
-def _run_on_ranks(fleet, ranks, function, args, timeout, show_output, title, all_progress) -> CellResult:
-    started = time.monotonic()
-    watch = fleet.metrics.watch(show_output)  # before submitting: a quick rank's records can arrive at once
-    pending = {r: fleet.pool.view(fleet.member(r).engine_id).apply_async(function, *args) for r in ranks}
-    submitted = dict(pending)  # pending loses ranks as they finish; their output stays
-    output = RankOutput(ranks, all_progress=all_progress) if show_output else None
-    hang_watch = HangWatch(fleet, ranks, fleet.options.hang_timeout or None)
-    hangs = []
-    shown_outputs = 0
-    result = CellResult(ranks)
-    failures: list[RankFailure] = []
-    stopper: _Stopper | None = None
-    failed_at = None
-    released = killed = False
-    interrupted = timed_out = False
-    last_health_check = started
+class _CellRun:
+    """One cell on a set of ranks: submitted, watched until every rank answered (stopping them
+    all when one fails, hangs, is lost, or the user interrupts), then its outcome reported."""
 
-    def refresh(force=False):
-        nonlocal shown_outputs
-        watch.poll()
-        if output is None:
+    def __init__(self, fleet, ranks: list[int], timeout: float | None, show_output: bool,
+                 all_progress: bool) -> None:
+        self.fleet, self.ranks, self.timeout = fleet, ranks, timeout
+        self.output = RankOutput(ranks, all_progress=all_progress) if show_output else None
+        self.show_output = show_output
+        self.hang_watch = HangWatch(fleet, ranks, fleet.options.hang_timeout or None)
+        self.hangs: list = []
+        self.result = CellResult(ranks)
+        self.failures: list[RankFailure] = []
+        self.stopper: _Stopper | None = None
+        self.failed_at: float | None = None  # wall time of the first failure (the report's timeline)
+        self.released = self.killed = self.interrupted = self.timed_out = False
+        self.shown_outputs = 0  # rich outputs of the first rank displayed so far
+        self.pending: dict = {}  # rank -> its request, until it answered
+        self.submitted: dict = {}  # rank -> its request (their output stays)
+
+    def run(self, function, args: tuple, title: str | None) -> CellResult:
+        fleet = self.fleet
+        self.started = self.last_health_check = time.monotonic()
+        self.watch = fleet.metrics.watch(self.show_output)  # before submitting: records can arrive at once
+        self.pending = {r: fleet.pool.view(fleet.member(r).engine_id).apply_async(function, *args)
+                        for r in self.ranks}
+        self.submitted = dict(self.pending)
+        while self.pending:
+            try:
+                self._wait_a_moment()
+            except KeyboardInterrupt:
+                self.interrupted = True
+                if self.stopper is None or self.stopper.reason == "failure":
+                    self.stopper = _Stopper("interrupt", time.monotonic())
+                else:
+                    self.stopper.hurry()
+        if fleet.stop_requested.is_set():
+            raise FleetError("the fleet was stopped from another thread while this cell ran (Fleet.stop()); "
+                             "every rank was stopped")
+        self._keep_output(title)
+        return self._outcome()
+
+    # ------------------------------------------------------------------ while the ranks run
+    def _wait_a_moment(self) -> None:
+        concurrent.futures.wait(list(self.pending.values()), timeout=POLL_S,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        now = time.monotonic()
+        self._take_replies(now)
+        if now - self.last_health_check >= PID_CHECK_S:  # ranks that can never answer
+            self.last_health_check = now
+            self._take_gone_ranks(now)
+            if self._take_lost_hosts():
+                return
+        self._check_for_a_stop(now)
+        self._refresh()
+        if self.stopper is not None and self.pending:
+            self._climb_the_ladder(now)
+
+    def _fail(self, now: float) -> None:
+        """A rank failed: the others are stopped (the first failure starts the ladder)."""
+        if self.stopper is None:
+            self.stopper, self.failed_at = _Stopper("failure", now), time.time()
+
+    def _answer(self, rank: int, reply: CellReply) -> None:
+        self.result.replies[rank] = reply
+        self.pending.pop(rank, None)
+
+    def _take_replies(self, now: float) -> None:
+        for rank, ar in list(self.pending.items()):
+            if not ar.ready():
+                continue
+            reply = _reply(ar)
+            self._answer(rank, reply)
+            if not reply["ok"]:
+                late = self.stopper is not None and any(a in self.stopper.done for a in ("release", "sigint"))
+                self.failures.append(RankFailure(rank, reply["ename"], reply["evalue"], reply["traceback"], late))
+                self._fail(now)
+
+    def _take_gone_ranks(self, now: float) -> None:
+        """A dead engine whose nanny died too never answers."""
+        for rank in self.fleet.pool.gone_ranks(sorted(self.pending)):
+            self._answer(rank, CellReply(ok=False, ename="EngineError", evalue="the engine's process is gone",
+                                         traceback=""))
+            self.failures.append(RankFailure(rank, "EngineError", "the engine's process is gone", ""))
+            self._fail(now)
+
+    def _take_lost_hosts(self) -> bool:
+        """A host that died or is cut off: the cell ends now on every rank (True)."""
+        fleet = self.fleet
+        if fleet.metrics is None or not (lost_now := fleet.pool.lost_hosts_now(fleet.metrics.store, time.time())):
+            return False
+        for host in lost_now:  # the others' collectives with it end now, their state kept
+            links.order_cut(fleet.run_dir, host, links.addresses_of(host))
+        for rank in sorted(self.pending):
+            if (headline := lost_now.get(fleet.member(rank).host)) is not None:
+                failure = RankFailure(rank, "HostLost", headline, "")
+            else:  # in a collective with the lost ranks: it ends the cell by itself, state kept
+                failure = RankFailure(rank, "Abandoned", "left waiting for the lost host", "", stopped=True)
+            self.failures.append(failure)
+            self.result.replies[rank] = CellReply(ok=False, ename=failure.ename, evalue=failure.evalue,
+                                                  traceback="")
+        self.pending.clear()
+        self.failed_at = self.failed_at or time.time()
+        return True
+
+    def _check_for_a_stop(self, now: float) -> None:
+        """Fleet.stop() from another thread, --timeout, a mismatched collective, a hung rank."""
+        if self.stopper is not None:
             return
-        output.update({r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr")) for r, ar in submitted.items()},
-                      force=force)
-        outs = _metadata(submitted[ranks[0]], "outputs") or []
-        if output.live_blocks and len(outs) > shown_outputs:
+        if self.fleet.stop_requested.is_set():
+            self.interrupted, self.stopper = True, _Stopper("interrupt", now)
+        elif self.timeout is not None and now - self.started > self.timeout:
+            self.timed_out, self.stopper = True, _Stopper("timeout", now)
+        elif self.pending:
+            finished = sorted(r for r, reply in self.result.replies.items() if reply["ok"])
+            if hangs := self.hang_watch.mismatched(self.pending, finished):
+                self.hangs = hangs
+                self._fail(now)  # releasing the finished ranks ends the collective
+            elif hangs := self.hang_watch.check(self.pending):
+                self.hangs, self.stopper, self.failed_at = hangs, _Stopper("hang", now), time.time()
+
+    def _climb_the_ladder(self, now: float) -> None:
+        fleet, pending = self.fleet, self.pending
+        for action in self.stopper.due(now):
+            self.released |= _act(fleet, action, pending) == "released"
+            if action == "kill-hung" and (stuck := _worst([h for h in self.hangs if h.rank in pending])):
+                self._kill(stuck)
+            if action == "kill" and pending:
+                quiet = [r for r in pending if fleet.pool.quiet(r, fleet.metrics.store, time.time())
+                         and now - self.stopper.at < 3 * QUIET_S + PROBE_TIMEOUT_S]
+                if quiet:
+                    self.stopper.postpone("kill", now - self.stopper.at + 0.5)  # its host may be lost: wait to know
+                if doomed := sorted(r for r in pending if r not in quiet):
+                    self._kill(doomed)
+
+    def _kill(self, stuck: list[int]) -> None:
+        self.killed = True
+        for rank in stuck:
+            self._answer(rank, CellReply(ok=False, ename="Killed",
+                                         evalue="did not stop within a few seconds; engine replaced", traceback=""))
+            self.failures.append(RankFailure(rank, "Killed", "did not stop within a few seconds; engine replaced",
+                                             "", stopped=True))
+        self.fleet.replace(stuck)
+
+    def _refresh(self, force: bool = False) -> None:
+        self.watch.poll()
+        if self.output is None:
+            return
+        self.output.update({r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr"))
+                            for r, ar in self.submitted.items()}, force=force)
+        outs = _metadata(self.submitted[self.ranks[0]], "outputs") or []
+        if self.output.live_blocks and len(outs) > self.shown_outputs:
             from IPython.display import display
 
-            for item in outs[shown_outputs:]:
+            for item in outs[self.shown_outputs:]:
                 display(item.get("data", {}), raw=True, metadata=item.get("metadata", {}))
-            shown_outputs = len(outs)
+            self.shown_outputs = len(outs)
 
-    while pending:
-        try:
-            concurrent.futures.wait(list(pending.values()), timeout=POLL_S,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-            now = time.monotonic()
-            for rank, ar in list(pending.items()):
-                if not ar.ready():
-                    continue
-                del pending[rank]
-                reply = _reply(ar)
-                result.replies[rank] = reply
-                if not reply["ok"]:
-                    late = stopper is not None and any(a in stopper.done for a in ("release", "sigint"))
-                    failures.append(RankFailure(rank, reply["ename"], reply["evalue"], reply["traceback"], late))
-                    if stopper is None:
-                        stopper = _Stopper("failure", now)
-                        failed_at = time.time()
-            if now - last_health_check >= PID_CHECK_S:  # ranks that can never answer
-                last_health_check = now
-                for rank in fleet.pool.gone_ranks(sorted(pending)):  # a dead engine whose nanny died too
-                    del pending[rank]
-                    reply = CellReply(ok=False, ename="EngineError", evalue="the engine's process is gone",
-                                      traceback="")
-                    result.replies[rank] = reply
-                    failures.append(RankFailure(rank, reply["ename"], reply["evalue"], ""))
-                    if stopper is None:
-                        stopper, failed_at = _Stopper("failure", now), time.time()
-                # a host that died or is cut off
-                if fleet.metrics is not None and (lost_now := fleet.pool.lost_hosts_now(fleet.metrics.store,
-                                                                                        time.time())):
-                    for host in lost_now:  # the others' collectives with it end now, their state kept
-                        links.order_cut(fleet.run_dir, host, links.addresses_of(host))
-                    for rank in sorted(pending):
-                        if (headline := lost_now.get(fleet.member(rank).host)) is not None:
-                            failures.append(RankFailure(rank, "HostLost", headline, ""))
-                        else:  # in a collective with the lost ranks: it ends the cell by itself, state kept
-                            failures.append(RankFailure(rank, "Abandoned", "left waiting for the lost host", "",
-                                                        stopped=True))
-                        result.replies[rank] = CellReply(ok=False, ename=failures[-1].ename,
-                                                         evalue=failures[-1].evalue, traceback="")
-                    pending.clear()
-                    failed_at = failed_at or time.time()
-                    break
-            if fleet.stop_requested.is_set() and stopper is None:  # Fleet.stop() from another thread
-                interrupted, stopper = True, _Stopper("interrupt", now)
-            if timeout is not None and stopper is None and now - started > timeout:
-                timed_out = True
-                stopper = _Stopper("timeout", now)
-            if stopper is None and pending:
-                finished = sorted(r for r, reply in result.replies.items() if reply["ok"])
-                if hangs := hang_watch.mismatched(pending, finished):
-                    stopper = _Stopper("failure", now)  # releasing the finished ranks ends the collective
-                    failed_at = time.time()
-                elif hangs := hang_watch.check(pending):
-                    stopper = _Stopper("hang", now)
-                    failed_at = time.time()
-            refresh()
-            if stopper is not None and pending:
-                for action in stopper.due(now):
-                    released |= _act(fleet, action, pending) == "released"
-                    if action == "kill-hung" and (stuck := _worst([h for h in hangs if h.rank in pending])):
-                        killed = True
-                        _kill(fleet, pending, failures, result, stuck)
-                    if action == "kill" and pending:
-                        quiet = [r for r in pending if fleet.pool.quiet(r, fleet.metrics.store, time.time())
-                                 and now - stopper.at < 3 * QUIET_S + PROBE_TIMEOUT_S]
-                        if quiet:
-                            stopper.postpone("kill", now - stopper.at + 0.5)  # its host may be lost: wait to know
-                        if doomed := sorted(r for r in pending if r not in quiet):
-                            killed = True
-                            _kill(fleet, pending, failures, result, doomed)
-        except KeyboardInterrupt:
-            interrupted = True
-            if stopper is None or stopper.reason == "failure":
-                stopper = _Stopper("interrupt", time.monotonic())
-            else:
-                stopper.hurry()
-    if fleet.stop_requested.is_set():
-        raise FleetError("the fleet was stopped from another thread while this cell ran (Fleet.stop()); "
-                         "every rank was stopped")
-    logged = title is not None and fleet.rank_logs is not None
-    if output is not None or logged:  # the rank logs keep the output even when it is not shown
-        _wait_for_output(submitted, result.replies)
-    refresh(force=True)
-    if logged:
-        fleet.rank_logs.cell(title, {r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr"))
-                                     for r, ar in submitted.items()})
-    watch.finish(result.replies)
-    for text in sorted({n for reply in result.replies.values() for n in reply.get("notices", ())}):
-        notice(text)
+    # ------------------------------------------------------------------ once every rank answered
+    def _keep_output(self, title: str | None) -> None:
+        """The last output on screen and in the rank logs, the metrics' cell ended, the ranks' notices."""
+        fleet, submitted = self.fleet, self.submitted
+        logged = title is not None and fleet.rank_logs is not None
+        if self.output is not None or logged:  # the rank logs keep the output even when it is not shown
+            _wait_for_output(submitted, self.result.replies)
+        self._refresh(force=True)
+        if logged:
+            fleet.rank_logs.cell(title, {r: (_stream_text(ar, "stdout"), _stream_text(ar, "stderr"))
+                                         for r, ar in submitted.items()})
+        self.watch.finish(self.result.replies)
+        for text in sorted({n for reply in self.result.replies.values() for n in reply.get("notices", ())}):
+            notice(text)
 
-    frozen = any(h.frozen for h in hangs)
-    for hang in hangs:  # the hang is the rank's error, whatever stopping it raised there
-        failures = [f for f in failures if f.rank != hang.rank]
-        # with a frozen rank, the others only waited for it
-        failures.append(RankFailure(hang.rank, hang.ename, hang.why, hang.text(),
-                                    stopped=frozen and not hang.frozen))
-    torn_down = sorted(r for r, reply in result.replies.items() if reply.get("group_intact") is False)
-    lost: dict[int, str] = {}
-    notes, dead = _repair(fleet, bool(failures) or interrupted or timed_out or bool(torn_down),
-                          released or killed or bool(torn_down), killed, lost)
-    if torn_down and not failures:
-        notice(f"the cell tore down the default process group on rank {_ranks(torn_down)} "
-               "(destroy_process_group or its own init_process_group); it was rebuilt for the next cell — "
-               "objects prepared before are bound to the old group: prepare them again")
-    if timed_out:
-        notes.insert(0, f"the cell ran past --timeout {timeout:g} s and was stopped on every rank")
-    if interrupted:
-        if not failures:  # every rank handled the interrupt (a loop that catches KeyboardInterrupt)
-            notice("interrupted; every rank ended the cell cleanly")
-            return result
-        debug("the cell was interrupted; workbench's own frames (not shown with the report):\n"
-              + "".join(traceback.format_stack()))
-        raise CellInterrupted(DistributedCellError(failures, fleet.world_size, notes, interrupted=True).report())
-    if failures:
-        error = DistributedCellError(failures, fleet.world_size, notes, timed_out=timeout if timed_out else None,
-                                     dead=dead, hung=[h.rank for h in hangs], lost=lost)
-        error.failed_at = failed_at
-        raise error
-    return result
+    def _outcome(self) -> CellResult:
+        """The result, or the error that names what went wrong (after the group was repaired)."""
+        fleet, failures, hangs = self.fleet, self.failures, self.hangs
+        frozen = any(h.frozen for h in hangs)
+        for hang in hangs:  # the hang is the rank's error, whatever stopping it raised there
+            failures = [f for f in failures if f.rank != hang.rank]
+            # with a frozen rank, the others only waited for it
+            failures.append(RankFailure(hang.rank, hang.ename, hang.why, hang.text(),
+                                        stopped=frozen and not hang.frozen))
+        replies = self.result.replies
+        torn_down = sorted(r for r, reply in replies.items() if reply.get("group_intact") is False)
+        lost: dict[int, str] = {}
+        notes, dead = _repair(fleet, bool(failures) or self.interrupted or self.timed_out or bool(torn_down),
+                              self.released or self.killed or bool(torn_down), self.killed, lost)
+        if torn_down and not failures:
+            notice(f"the cell tore down the default process group on rank {_ranks(torn_down)} "
+                   "(destroy_process_group or its own init_process_group); it was rebuilt for the next cell — "
+                   "objects prepared before are bound to the old group: prepare them again")
+        if self.timed_out:
+            notes.insert(0, f"the cell ran past --timeout {self.timeout:g} s and was stopped on every rank")
+        if self.interrupted:
+            if not failures:  # every rank handled the interrupt (a loop that catches KeyboardInterrupt)
+                notice("interrupted; every rank ended the cell cleanly")
+                return self.result
+            debug("the cell was interrupted; workbench's own frames (not shown with the report):\n"
+                  + "".join(traceback.format_stack()))
+            raise CellInterrupted(DistributedCellError(failures, fleet.world_size, notes, interrupted=True).report())
+        if failures:
+            error = DistributedCellError(failures, fleet.world_size, notes,
+                                         timed_out=self.timeout if self.timed_out else None,
+                                         dead=dead, hung=[h.rank for h in hangs], lost=lost)
+            error.failed_at = self.failed_at
+            raise error
+        return self.result
 
 
 def _wait_for_output(submitted: dict, replies: dict) -> None:
@@ -405,16 +460,6 @@ def _worst(hangs) -> list[int]:
     """The hung ranks to kill first: the frozen ones if any (their peers wait on them)."""
     frozen = [h.rank for h in hangs if h.frozen]
     return frozen or [h.rank for h in hangs]
-
-
-def _kill(fleet, pending: dict, failures: list[RankFailure], result: CellResult, stuck: list[int]) -> None:
-    for rank in stuck:
-        reply = CellReply(ok=False, ename="Killed", evalue="did not stop within a few seconds; engine replaced",
-                          traceback="")
-        result.replies[rank] = reply
-        failures.append(RankFailure(rank, reply["ename"], reply["evalue"], "", stopped=True))
-        del pending[rank]
-    fleet.replace(stuck)
 
 
 def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tuple[list[str], list[int]]:

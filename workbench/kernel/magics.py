@@ -179,18 +179,7 @@ class WorkbenchMagics(Magics):
             raise UsageError("%fleet needs a command: start, status, stacks, park, unpark, scale, recover, replace, tune, pull, push, export or stop "
                              "(see %fleet?)")
         if args.command == "start":
-            if self.session.current_fleet() is not None:
-                raise UsageError(
-                    f"a fleet is already running ({self.session.current_fleet().world_size} ranks); "
-                    "use it, or stop it first with %fleet stop"
-                )
-            from workbench.kernel.launchers import parse_options
-
-            args.launcher_options = parse_options(args.launcher_options)
-            fleet = Fleet(options=options_from(args, FleetOptions))
-            self.session.fleet = fleet.start()
-            print(f"fleet: run {fleet.run_id} in {fleet.run_dir}")
-            return None
+            return self._start(args)
         fleet = self.session.current_fleet()
         if args.command == "stop":
             if fleet is None:
@@ -199,48 +188,63 @@ class WorkbenchMagics(Magics):
             return None
         if fleet is None:
             raise UsageError("no fleet is running; start one with %fleet start -n 2")
-        if args.command == "status":
-            if fleet.parked is not None:
-                parked = fleet.parked
-                print(f"parked since {time.strftime('%H:%M:%S', time.localtime(parked.since))}: {parked.world} ranks, "
-                      f"state in checkpoint {parked.tag!r}; the next cell or %fleet unpark brings it back")
-            else:
-                print(status_table(fleet.status()))
-            print(fleet.usage.line(fleet.world_size, fleet.device_type))
-            tuned = {k: v for k, v in fleet.cell_defaults.to_dict().items() if v != getattr(CellOptions(), k)}
-            if tuned:
-                print("cell defaults (from %fleet tune): " + " ".join(f"--{k.replace('_', '-')} {v}"
-                                                                      for k, v in tuned.items()))
-            spares = fleet.spare_status()
-            if spares["ready"] or spares["starting"]:
-                print(f"spares: {len(spares['ready'])} warm"
-                      + (f" (engine {', '.join(str(s['engine']) for s in spares['ready'])})" if spares["ready"] else "")
-                      + (f", {spares['starting']} starting" if spares["starting"] else ""))
-        elif args.command == "park":
-            fleet.park(anyway=args.anyway)
-        elif args.command == "unpark":
-            fleet.unpark()
-        elif args.command == "stacks":
-            print(fleet.stacks(native=args.native, everything=args.everything))
-        elif args.command == "scale":
-            fleet.scale(args.n, hosts=args.hosts)
-        elif args.command == "recover":
-            fleet.recover(shrink=args.shrink)
-        elif args.command == "replace":
-            fleet.recover(replace=args.ranks)
-        elif args.command == "tune":
-            return fleet.tune(args.step, args.model, args.batch, args.optimizer,
-                              options=options_from(args, TuneOptions))
-        elif args.command == "pull":
-            value = self.shell.user_ns[args.name] = fleet.pull(args.name, rank=args.rank)
-            return value
-        elif args.command == "push":
-            fleet.push(**self._evaluate(args.assignments))
-        elif args.command == "export":
-            for path in fleet.export(args.path, overwrite=args.force):
-                print(f"wrote {path}")
-            print(f"run it with: torchrun --nproc-per-node {fleet.world_size} {args.path}")
-        return None
+        commands = {
+            "status": lambda: self._status(fleet),
+            "park": lambda: fleet.park(anyway=args.anyway),
+            "unpark": lambda: fleet.unpark(),
+            "stacks": lambda: print(fleet.stacks(native=args.native, everything=args.everything)),
+            "scale": lambda: fleet.scale(args.n, hosts=args.hosts),
+            "recover": lambda: fleet.recover(shrink=args.shrink),
+            "replace": lambda: fleet.recover(replace=args.ranks),
+            "tune": lambda: fleet.tune(args.step, args.model, args.batch, args.optimizer,
+                                       options=options_from(args, TuneOptions)),
+            "pull": lambda: self._pull(fleet, args.name, args.rank),
+            "push": lambda: fleet.push(**self._evaluate(args.assignments)),
+            "export": lambda: self._export(fleet, args.path, args.force),
+        }
+        result = commands[args.command]()
+        return result if args.command in ("tune", "pull") else None
+
+    def _start(self, args) -> None:
+        if (running := self.session.current_fleet()) is not None:
+            raise UsageError(f"a fleet is already running ({running.world_size} ranks); "
+                             "use it, or stop it first with %fleet stop")
+        from workbench.kernel.launchers import parse_options
+
+        args.launcher_options = parse_options(args.launcher_options)
+        fleet = Fleet(options=options_from(args, FleetOptions))
+        self.session.fleet = fleet.start()
+        print(f"fleet: run {fleet.run_id} in {fleet.run_dir}")
+
+    @staticmethod
+    def _status(fleet: Fleet) -> None:
+        if fleet.parked is not None:
+            parked = fleet.parked
+            print(f"parked since {time.strftime('%H:%M:%S', time.localtime(parked.since))}: {parked.world} ranks, "
+                  f"state in checkpoint {parked.tag!r}; the next cell or %fleet unpark brings it back")
+        else:
+            print(status_table(fleet.status()))
+        print(fleet.usage.line(fleet.world_size, fleet.device_type))
+        tuned = {k: v for k, v in fleet.cell_defaults.to_dict().items() if v != getattr(CellOptions(), k)}
+        if tuned:
+            print("cell defaults (from %fleet tune): " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                                  for k, v in tuned.items()))
+        spares = fleet.spare_status()
+        if spares["ready"] or spares["starting"]:
+            print(f"spares: {len(spares['ready'])} warm"
+                  + (f" (engine {', '.join(str(s['engine']) for s in spares['ready'])})" if spares["ready"] else "")
+                  + (f", {spares['starting']} starting" if spares["starting"] else ""))
+
+    def _pull(self, fleet: Fleet, name: str, rank: int):
+        """Bind ``name`` in the kernel's namespace to its value on ``rank``; returns it."""
+        value = self.shell.user_ns[name] = fleet.pull(name, rank=rank)
+        return value
+
+    @staticmethod
+    def _export(fleet: Fleet, path: str, force: bool) -> None:
+        for written in fleet.export(path, overwrite=force):
+            print(f"wrote {written}")
+        print(f"run it with: torchrun --nproc-per-node {fleet.world_size} {path}")
 
     def _evaluate(self, assignments: list[str]) -> dict:
         values = {}
