@@ -13,6 +13,7 @@ threads, fp32), taken once per process.
 
 from __future__ import annotations
 
+import functools
 import time
 
 # dense bf16 FLOP/s from the vendors' data sheets (no sparsity), matched on the device name
@@ -35,7 +36,6 @@ GPU_PEAK_FLOPS = {
     "RTX 3090": 71e12,
 }
 
-_CPU_PEAK: float | None = None
 
 
 def parameter_count(model) -> int:
@@ -78,21 +78,19 @@ def peak_flops(device) -> float:
     return measured_cpu_flops()
 
 
+@functools.cache
 def measured_cpu_flops(size: int = 512, repeats: int = 8) -> float:
     """FLOP/s of an fp32 matrix multiply with this process's torch threads (measured once)."""
-    global _CPU_PEAK
-    if _CPU_PEAK is None:
-        import torch
+    import torch
 
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        a @ b  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        _CPU_PEAK = 2 * size**3 / best
-    return _CPU_PEAK
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
 
 
 def track_mfu(model, seq_len: int, device=None, peak: float | None = None) -> dict:

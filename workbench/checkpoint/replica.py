@@ -25,9 +25,6 @@ import math
 from workbench.checkpoint.state import PER_RANK_MARK, CheckpointState, is_per_rank, per_rank_key, set_rng_state
 from workbench.messages import KeptState, Restored
 
-KEPT: dict | None = None  # this rank's state dict, set aside by keep() until share() or drop()
-KEPT_HOLDS: list | None = None  # which shards KEPT holds (:func:`_holding`)
-
 
 def keep(again: bool = False) -> KeptState | None:
     """Set this rank's prepared state aside; return ``{"step", "replicated", "keys"}``, or
@@ -36,25 +33,24 @@ def keep(again: bool = False) -> KeptState | None:
     (the group was rebuilt after the failure that made recovery necessary). ``again``: a recover
     that was interrupted set the state aside already (its setup replay may have replaced the
     objects since): that state is the one to keep."""
-    global KEPT
     from workbench.metrics.logger import LOGGER
     from workbench.rank.state import STATE, namespace
 
-    global KEPT_HOLDS
     rank = STATE.spec.rank if STATE.spec else 0
-    if not (again and KEPT is not None):
+    if not (again and STATE.kept_state is not None):
         state = CheckpointState(namespace(), rank, LOGGER.step, any_generation=True)
         if not any(state.objects.values()):
-            KEPT = None
+            STATE.kept_state = None
             return None
-        KEPT, KEPT_HOLDS = state.state_dict(), _holding(state.objects["model"])
+        STATE.kept_state, STATE.kept_holds = state.state_dict(), _holding(state.objects["model"])
+    kept, holds = STATE.kept_state, STATE.kept_holds
     # a per-rank registered object of a replaced rank died with it: only a checkpoint has it
-    per_rank_objects = any(k.startswith("user/") and is_per_rank(k) for k in KEPT)
-    whole = KEPT_HOLDS is not None and (KEPT_HOLDS or not _has_shards(KEPT))  # no other DTensors
-    shards = max((math.prod(shape[d] for d in sharded_dims) for _, shape, _, sharded_dims in KEPT_HOLDS or ()),
+    per_rank_objects = any(k.startswith("user/") and is_per_rank(k) for k in kept)
+    whole = holds is not None and (holds or not _has_shards(kept))  # no other DTensors
+    shards = max((math.prod(shape[d] for d in sharded_dims) for _, shape, _, sharded_dims in holds or ()),
                  default=1)
-    return KeptState(step=int(KEPT["workbench"]["step"]), replicated=bool(whole) and not per_rank_objects,
-                     keys=sorted(k for k in KEPT if not is_per_rank(k)), holds=KEPT_HOLDS or None, shards=shards)
+    return KeptState(step=int(kept["workbench"]["step"]), replicated=bool(whole) and not per_rank_objects,
+                     keys=sorted(k for k in kept if not is_per_rank(k)), holds=holds or None, shards=shards)
 
 
 def holding() -> list | None:
@@ -92,14 +88,13 @@ def share(sources: list) -> Restored:
     state, one source for all). Survivors keep their own per-rank entries (RNG, stream
     positions); a replaced rank takes its source's stream positions (ranks take the same number
     of batches per step) and keeps the RNG its setup cells gave it."""
-    global KEPT
     import torch.distributed as dist
 
     from workbench.metrics.logger import LOGGER
     from workbench.rank.state import STATE, namespace
 
     rank = STATE.spec.rank
-    own, KEPT = KEPT, None
+    own, STATE.kept_state = STATE.kept_state, None
     held_here = holding()
     state = None
     for holds, src in sources:
@@ -126,8 +121,9 @@ def share(sources: list) -> Restored:
 
 def drop() -> None:
     """Forget the kept state (recover used the checkpoint instead)."""
-    global KEPT
-    KEPT = None
+    from workbench.rank.state import STATE
+
+    STATE.kept_state = None
 
 
 def _local_shards(state):

@@ -33,17 +33,14 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.futures import Future
 
-from workbench.rank.state import die_with_parent
-
-_HELPER: WriterProcess | None = None
+from workbench.rank.state import STATE, die_with_parent
 
 
 def start() -> None:
     """Start this rank's helper process unless it runs (from the rank's main thread: the
     helper is killed when the thread that started it ends)."""
-    global _HELPER
-    if _HELPER is None or not _HELPER.alive():
-        _HELPER = WriterProcess()
+    if STATE.writer is None or not STATE.writer.alive():
+        STATE.writer = WriterProcess()
 
 
 class _NoFolders(FileSystem):
@@ -68,9 +65,9 @@ class HelperWrites:
     def write_data(self, plan, planner) -> Future:
         future: Future = Future()  # torch's, as DCP waits on it
         try:
-            if _HELPER is None:
+            if STATE.writer is None:
                 raise RuntimeError("the checkpoint writer process was not started")
-            future.set_result(_HELPER.write(self, plan, planner))
+            future.set_result(STATE.writer.write(self, plan, planner))
         except BaseException as exc:  # noqa: BLE001 - DCP reports it as this rank's failure
             future.set_exception(exc)
         return future

@@ -23,7 +23,6 @@ from workbench.rank.state import STATE
 _CARRIAGE_RETURN = re.compile(r"\r(?!\n)")  # not a \r\n line end
 
 NOTICES: list[str] = []  # one-line notices for the kernel, sent with the cell's reply
-_JOINED_NOTICE_SENT = False
 
 
 class RankExit:
@@ -181,9 +180,8 @@ def _check_same_group(backend, world_size: int, rank: int) -> None:
 
 
 def _notice_joined() -> None:
-    global _JOINED_NOTICE_SENT
-    if not _JOINED_NOTICE_SENT:
-        _JOINED_NOTICE_SENT = True
+    if not STATE.joined_notice_sent:
+        STATE.joined_notice_sent = True
         NOTICES.append("the code's init_process_group joined the fleet's process group (it exists already; "
                        "nothing was created)")
 

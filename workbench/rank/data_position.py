@@ -31,8 +31,7 @@ import itertools
 import json
 import weakref
 
-_TRACKED: weakref.WeakSet = weakref.WeakSet()
-_COUNT_AT_STEPS = False  # an optimizer was prepared: positions advance at its steps, not at each batch
+from workbench.rank.state import STATE
 
 
 class _Skipped:
@@ -129,7 +128,7 @@ class DataPosition:
             begin()
 
         loader.begin = begin_pass
-        _TRACKED.add(self)
+        STATE.positions.add(self)
 
     # ------------------------------------------------------------ live
     def _generators(self) -> list:
@@ -180,7 +179,7 @@ class DataPosition:
         try:
             for batch in batches:
                 self.yielded += 1
-                if not _COUNT_AT_STEPS:
+                if not STATE.positions_at_steps:
                     self.done = self.yielded
                 yield batch
             self.open, self.start, self.yielded, self.done = False, 0, 0, 0
@@ -284,13 +283,12 @@ def track(loader) -> None:
 
 def optimizer_prepared() -> None:
     """From now on positions advance when an optimizer step completes."""
-    global _COUNT_AT_STEPS
-    _COUNT_AT_STEPS = True
+    STATE.positions_at_steps = True
 
 
 def step_completed() -> None:
     """An optimizer step completed: it used every batch handed out so far."""
-    for position in list(_TRACKED):
+    for position in list(STATE.positions):
         position.done = position.yielded
 
 

@@ -19,9 +19,10 @@ import subprocess
 import threading
 import time
 
+from workbench.rank.state import STATE
+
 SIGNAL = signal.SIGUSR1
 WAIT_S = 3.0  # for a rank to write its stacks
-_FILE = None  # this engine's stack file, kept open for faulthandler
 _MACHINERY = re.compile(  # frames of the engine itself, not of the user's code
     r'File "[^"]*(/(ipyparallel|ipykernel|tornado|traitlets|zmq|jupyter_client)/|/(threading|selectors|runpy)\.py|'
     r'/asyncio/|/workbench/(engine|template|metrics/logger)\.py|<frozen runpy>|<string>)')
@@ -34,17 +35,17 @@ def stack_file(run_dir: str, pid: int) -> str:
 
 def enable(run_dir: str) -> None:
     """Engine side: dump every thread's stack to this rank's stack file on ``SIGUSR1``."""
-    global _FILE
     import faulthandler
 
     path = stack_file(run_dir, os.getpid())
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    if _FILE is not None:
-        _FILE.close()
-    _FILE = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "w")  # noqa: SIM115 - kept open
-    _FILE.write(f"main thread {threading.main_thread().ident:#x}\n")
-    _FILE.flush()
-    faulthandler.register(SIGNAL, file=_FILE, all_threads=True, chain=False)
+    if STATE.stack_file is not None:
+        STATE.stack_file.close()
+    opened = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "w")  # noqa: SIM115 - kept open
+    opened.write(f"main thread {threading.main_thread().ident:#x}\n")
+    opened.flush()
+    faulthandler.register(SIGNAL, file=opened, all_threads=True, chain=False)
+    STATE.stack_file = opened
 
 
 def collect(members: list, run_dir: str, world: int, native: bool = False, everything: bool = False) -> str:

@@ -7,11 +7,17 @@ Everything else on the engine side reads it from here: the cell runner
 from __future__ import annotations
 
 import sys
+import weakref
 
 
 class RankState:
-    """This engine's place in the fleet, and the Accelerator of the last cell (built by
-    :func:`workbench.rank.engine.ensure_accelerator`)."""
+    """This engine's place in the fleet, the Accelerator of the last cell (built by
+    :func:`workbench.rank.engine.ensure_accelerator`), and the rank's other process-wide state,
+    each field written by the one module named beside it.
+
+    Two more objects live as long as the rank and have one owner each: the step counter and
+    record sender ``workbench.metrics.logger.LOGGER``, and the background saves
+    ``workbench.checkpoint.api.SAVES``."""
 
     def __init__(self) -> None:
         self.spec = None
@@ -25,6 +31,18 @@ class RankState:
         self.checkpoint_dir: str | None = None  # where checkpoints go: a folder or an fsspec URL
         self.in_user_code = False
         self.memory_limit: int | None = None  # bytes (--memory-limit)
+        # workbench.checkpoint.replica: this rank's state dict set aside by keep() until share() or
+        # drop(), and which shards it holds
+        self.kept_state: dict | None = None
+        self.kept_holds: list | None = None
+        self.writer = None  # workbench.checkpoint.writer: the helper process that writes async saves
+        self.stack_file = None  # workbench.rank.stacks: the stack file, kept open for faulthandler
+        # workbench.rank.data_position: positions advance at optimizer steps (an optimizer was
+        # prepared), not at each batch; the positions of the prepared dataloaders
+        self.positions_at_steps = False
+        self.positions: weakref.WeakSet = weakref.WeakSet()
+        self.joined_notice_sent = False  # workbench.rank.batch_process: said once that a script's group is ours
+        self.bf16_warned = False  # workbench.rank.strategies: said once that bf16 is emulated on this CPU
 
     @property
     def world_size(self) -> int:

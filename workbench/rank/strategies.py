@@ -5,7 +5,10 @@ Engine side; its class (:func:`accelerator_class`) instruments what ``prepare`` 
 
 from __future__ import annotations
 
+import functools
+
 from workbench.options import CellOptions
+from workbench.rank.state import STATE
 
 
 def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
@@ -70,91 +73,82 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-_BF16_WARNED = False
-
-
 def _warn_if_bf16_is_emulated(rank: int) -> None:
-    global _BF16_WARNED
-    if _BF16_WARNED or rank != 0 or cpu_has_native_bf16():
+    if STATE.bf16_warned or rank != 0 or cpu_has_native_bf16():
         return
-    _BF16_WARNED = True
+    STATE.bf16_warned = True
     import sys
 
     print("workbench: this CPU has no native bf16 (AVX512-BF16 or AMX), so bf16 mixed precision is emulated "
           "and runs several times slower than fp32; use --mixed-precision no here", file=sys.stderr, flush=True)
 
 
+@functools.cache
 def accelerator_class():
-    """``accelerate.Accelerator`` whose ``prepare`` instruments what it returns."""
-    global _ACCELERATOR_CLASS
-    if _ACCELERATOR_CLASS is None:
-        from accelerate import Accelerator
+    """``accelerate.Accelerator`` whose ``prepare`` instruments what it returns (made once)."""
+    from accelerate import Accelerator
 
-        from workbench.metrics.logger import LOGGER
-        from workbench.rank.instrument import instrument
+    from workbench.metrics.logger import LOGGER
+    from workbench.rank.instrument import instrument
 
-        class WorkbenchAccelerator(Accelerator):
-            workbench_options = None  # the cell's CellOptions (set by build_accelerator)
-            workbench_mesh = None  # the DeviceMesh of hsdp / --tp / --pp
+    class WorkbenchAccelerator(Accelerator):
+        workbench_options = None  # the cell's CellOptions (set by build_accelerator)
+        workbench_mesh = None  # the DeviceMesh of hsdp / --tp / --pp
 
-            def prepare(self, *args, **kwargs):
-                options = self.workbench_options
-                if options is not None and (options.custom_parallel or options.activation_checkpointing
-                                            or self.is_fsdp2):
-                    args = self._parallelize(args)
-                result = super().prepare(*args, **kwargs)
-                from workbench.rank.state import STATE
+        def prepare(self, *args, **kwargs):
+            options = self.workbench_options
+            if options is not None and (options.custom_parallel or options.activation_checkpointing
+                                        or self.is_fsdp2):
+                args = self._parallelize(args)
+            result = super().prepare(*args, **kwargs)
+            from workbench.rank.state import STATE
 
-                for obj in result if isinstance(result, (tuple, list)) else (result,):
-                    instrument(obj, LOGGER, options)
-                    try:  # bound to this process group: checkpoints skip it once the group is rebuilt
-                        obj._workbench_generation = STATE.spec.generation if STATE.spec else None
-                    except AttributeError:
-                        pass
-                return result
+            for obj in result if isinstance(result, (tuple, list)) else (result,):
+                instrument(obj, LOGGER, options)
+                try:  # bound to this process group: checkpoints skip it once the group is rebuilt
+                    obj._workbench_generation = STATE.spec.generation if STATE.spec else None
+                except AttributeError:
+                    pass
+            return result
 
-            def prepare_model(self, model, device_placement=None, evaluation_mode=False):
-                """``--strategy none`` and workbench's own parallelism: placed, not wrapped (the
-                rank stays a distributed environment: gather, samplers and the rest still work)."""
-                options = self.workbench_options
-                if options is not None and not options.wraps_model:
-                    evaluation_mode = True  # accelerate's switch for "no DDP wrapper"
-                return super().prepare_model(model, device_placement=device_placement,
-                                             evaluation_mode=evaluation_mode)
+        def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+            """``--strategy none`` and workbench's own parallelism: placed, not wrapped (the
+            rank stays a distributed environment: gather, samplers and the rest still work)."""
+            options = self.workbench_options
+            if options is not None and not options.wraps_model:
+                evaluation_mode = True  # accelerate's switch for "no DDP wrapper"
+            return super().prepare_model(model, device_placement=device_placement,
+                                         evaluation_mode=evaluation_mode)
 
-            def _fsdp_unit_kwargs(self) -> dict | None:
-                """``fully_shard`` arguments of the blocks, as accelerate's FSDP2 plugin shards the root."""
-                if not self.is_fsdp2:
-                    return None
-                from torch.distributed.fsdp import MixedPrecisionPolicy
+        def _fsdp_unit_kwargs(self) -> dict | None:
+            """``fully_shard`` arguments of the blocks, as accelerate's FSDP2 plugin shards the root."""
+            if not self.is_fsdp2:
+                return None
+            from torch.distributed.fsdp import MixedPrecisionPolicy
 
-                plugin = self.state.fsdp_plugin
-                return {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
-                        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+            plugin = self.state.fsdp_plugin
+            return {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
+                    "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
 
-            def _parallelize(self, args):
-                """Models through :func:`workbench.parallel.prepare_model`; optimizers pointed at
-                the new parameters (also when model and optimizer come in separate calls)."""
-                import torch
+        def _parallelize(self, args):
+            """Models through :func:`workbench.parallel.prepare_model`; optimizers pointed at
+            the new parameters (also when model and optimizer come in separate calls)."""
+            import torch
 
-                from workbench.parallel.model import prepare_model, swap_optimizer_params
+            from workbench.parallel.model import prepare_model, swap_optimizer_params
 
-                swapped = self.__dict__.setdefault("_workbench_swapped", {})
-                out = []
-                for obj in args:
-                    if isinstance(obj, torch.nn.Module) and not getattr(obj, "_workbench_parallel", False):
-                        obj, moved = prepare_model(obj, self.workbench_options, self.workbench_mesh, self.device,
-                                                   self._fsdp_unit_kwargs())
-                        obj._workbench_parallel = True
-                        swapped.update(moved)
-                    out.append(obj)
-                for obj in out:
-                    if isinstance(obj, torch.optim.Optimizer):
-                        swap_optimizer_params(obj, swapped)
-                return out
+            swapped = self.__dict__.setdefault("_workbench_swapped", {})
+            out = []
+            for obj in args:
+                if isinstance(obj, torch.nn.Module) and not getattr(obj, "_workbench_parallel", False):
+                    obj, moved = prepare_model(obj, self.workbench_options, self.workbench_mesh, self.device,
+                                               self._fsdp_unit_kwargs())
+                    obj._workbench_parallel = True
+                    swapped.update(moved)
+                out.append(obj)
+            for obj in out:
+                if isinstance(obj, torch.optim.Optimizer):
+                    swap_optimizer_params(obj, swapped)
+            return out
 
-        _ACCELERATOR_CLASS = WorkbenchAccelerator
-    return _ACCELERATOR_CLASS
-
-
-_ACCELERATOR_CLASS = None
+    return WorkbenchAccelerator
