@@ -67,7 +67,7 @@ LAYERS = [
      "workbench.rank.batch_process", "workbench.reaper", "workbench.rank.stacks", "workbench.placement",
      "workbench.links", "workbench.launcher_kinds"],
     ["workbench.metrics.comm", "workbench.metrics.gpu", "workbench.metrics.logger", "workbench.metrics"],
-    ["workbench.parallel.options", "workbench.parallel.plan", "workbench.parallel.fsdp", "workbench.parallel.hooks",
+    ["workbench.parallel.data_parallel", "workbench.parallel.options", "workbench.parallel.plan", "workbench.parallel.fsdp", "workbench.parallel.hooks",
      "workbench.parallel.tensor", "workbench.parallel.pipeline", "workbench.parallel.model", "workbench.parallel",
      "workbench.options"],
     ["workbench.rank.instrument"],

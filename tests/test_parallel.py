@@ -51,6 +51,24 @@ def test_a_cells_plan_has_one_degree_per_dimension_whose_product_is_the_world(op
     assert plan.mesh_dims == mesh
 
 
+def test_each_strategy_is_one_registered_class_and_every_flag_choice_has_one():
+    from workbench.options import STRATEGIES
+    from workbench.parallel.data_parallel import STRATEGIES as REGISTERED
+    from workbench.parallel.data_parallel import data_parallel
+
+    assert sorted(REGISTERED) == sorted(STRATEGIES)
+    # what each goes with, by hand: only DDP's buckets take a comm hook; stages are whole (ddp, none);
+    # only fsdp shards beside --tp; hsdp alone builds its own mesh and takes --mesh
+    table = {name: (s.takes_comm_hook, s.takes_stages, s.shards_beside_tp, s.own_mesh, s.takes_mesh,
+                    s.accelerate_wraps) for name, s in REGISTERED.items()}
+    assert table == {"ddp": (True, True, False, False, False, True), "none": (False, True, False, False, False, False),
+                     "fsdp": (False, False, True, False, False, True), "hsdp": (False, False, False, True, True, False)}
+    with pytest.raises(OptionsError, match=r"^unknown strategy 'zero3'; use one of: ddp, none, fsdp, hsdp$"):
+        data_parallel("zero3")
+    assert data_parallel("fsdp").accelerate_plugin(CellOptions(strategy="fsdp")).fsdp_version == 2
+    assert data_parallel("fsdp").accelerate_plugin(CellOptions(strategy="fsdp", tp=2)) is None  # workbench shards
+
+
 def test_the_fleet_refuses_before_anything_runs(fleet):
     cells = fleet.session.cells_run
     with pytest.raises(OptionsError, match="larger than the world"):

@@ -18,6 +18,7 @@ from typing import Literal, get_args
 
 from workbench.errors import OptionsError, require_whole
 from workbench.launcher_kinds import kind_of, launcher_names
+from workbench.parallel.data_parallel import data_parallel
 from workbench.parallel.options import Schedule, check_parallel
 from workbench.parallel.plan import ParallelPlan
 
@@ -122,12 +123,12 @@ class CellOptions:
     def wraps_model(self) -> bool:
         """accelerate wraps the model (DDP or FSDP2); with ``none`` and workbench's own
         parallelism the model is left as it is, but the rank is still distributed."""
-        return self.strategy in ("ddp", "fsdp") and not self.custom_parallel
+        return data_parallel(self.strategy).accelerate_wraps and not self.custom_parallel
 
     @property
     def custom_parallel(self) -> bool:
         """workbench, not accelerate, shards or splits the model (hsdp, tp, pp)."""
-        return self.strategy == "hsdp" or self.tp > 1 or self.pp > 1
+        return data_parallel(self.strategy).own_mesh or self.tp > 1 or self.pp > 1
 
     def validate(self, device_type: str, world_size: int | None = None, nodes: int = 1,
                  backend: str | None = None) -> "CellOptions":
@@ -145,7 +146,7 @@ class CellOptions:
             from workbench.parallel.fsdp import parse_wrap
 
             parse_wrap(self.fsdp_wrap)
-            if self.strategy not in ("fsdp", "hsdp"):
+            if not data_parallel(self.strategy).chooses_units:
                 raise OptionsError(f"--fsdp-wrap chooses FSDP units: use it with --strategy fsdp or hsdp "
                                    f"(not {self.strategy})")
         if world_size is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import weakref
 
+from workbench.parallel.data_parallel import data_parallel
+
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
@@ -52,7 +54,7 @@ def prepare_model(model, options, mesh, device, fsdp_unit_kwargs: dict | None = 
         tensor_parallel(model, mesh)
     if options.activation_checkpointing:
         checkpoint_activations(model)
-    if options.strategy == "hsdp":
+    if data_parallel(options.strategy).own_mesh:
         _hsdp(model, mesh, options.mixed_precision, options.fsdp_wrap)
     elif options.tp > 1 and mesh["dp"].size() > 1:
         fully_shard(model, mesh=mesh["dp"])

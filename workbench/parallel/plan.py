@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workbench.errors import OptionsError
+from workbench.parallel.data_parallel import data_parallel
 from workbench.parallel.options import check_parallel
 
 
@@ -29,12 +30,8 @@ class ParallelPlan:
             plan = cls(options.strategy, 1, 1, pp=options.pp)
         elif options.tp > 1:
             plan = cls(options.strategy, 1, world // options.tp, tp=options.tp)
-        elif options.strategy == "hsdp":
-            plan = cls("hsdp", *_hsdp_shape(options.mesh, world, nodes))
-        elif options.strategy == "fsdp":
-            plan = cls("fsdp", 1, world)
-        else:  # ddp, and none: every rank a whole replica
-            plan = cls(options.strategy, world, 1)
+        else:
+            plan = cls(options.strategy, *data_parallel(options.strategy).degrees(world, nodes, options.mesh))
         if plan.ranks != world:
             raise OptionsError(f"--mesh {options.mesh} has {plan.ranks} ranks but the fleet has {world}")
         return plan
@@ -51,7 +48,7 @@ class ParallelPlan:
             return (self.pp,), ("pp",)
         if self.tp > 1:
             return (self.shard, self.tp), ("dp", "tp")
-        if self.strategy == "hsdp":
+        if data_parallel(self.strategy).own_mesh:
             return (self.replicate, self.shard), ("replicate", "shard")
         return None
 
@@ -64,10 +61,3 @@ class ParallelPlan:
         shape, names = self.mesh_dims
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
-
-def _hsdp_shape(mesh: str | None, world: int, nodes: int) -> tuple[int, int]:
-    """hsdp's (replicate, shard): ``--mesh RxS``, or shard inside a node, replicate across nodes."""
-    if mesh is None:
-        return (nodes, world // nodes) if world % nodes == 0 else (1, world)
-    replicate, _, shard = mesh.lower().partition("x")
-    return int(replicate), int(shard)

@@ -22,18 +22,14 @@ def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
     the distributed type accelerate finds (MULTI_CPU, MULTI_GPU), as under ``accelerate launch``.
     """
     from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import (
-        DistributedDataParallelKwargs,
-        DistributedType,
-        FullyShardedDataParallelPlugin,
-    )
+    from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+
+    from workbench.parallel.data_parallel import data_parallel
 
     # accelerate keeps process-wide singletons; a new configuration (or a new
     # process group) needs them cleared first.
     AcceleratorState._reset_state(True)
-    plugin = None
-    if options.strategy == "fsdp" and not options.custom_parallel:  # with --tp, workbench applies FSDP itself
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
+    plugin = data_parallel(options.strategy).accelerate_plugin(options)
     accelerator = accelerator_class()(
         cpu=device_type == "cpu",
         fsdp_plugin=plugin,
