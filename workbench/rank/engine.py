@@ -64,7 +64,7 @@ def names(options: CellOptions) -> dict:
         "local_rank": STATE.spec.local_rank,
         "device": STATE.device,
         "mesh": accelerator.workbench_mesh,  # hsdp / --tp / --pp, else None
-        "workbench": sys.modules[__package__],  # loaded: this module is part of it
+        "workbench": sys.modules["workbench"],  # loaded: this module is part of it
     }
 
 
