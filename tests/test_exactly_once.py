@@ -138,7 +138,7 @@ def fleet(shared_fleet):
     """The module's fleet; one a failed test left half-recovered or with a dead rank (a native
     crash of a rank) is recovered before the next test, which would otherwise fail on it."""
     yield shared_fleet
-    if shared_fleet.unfinished is not None or shared_fleet.pool.dead_ranks(settle_s=0.5) or shared_fleet.session.fresh_ranks:
+    if shared_fleet.session.unfinished is not None or shared_fleet.pool.dead_ranks(settle_s=0.5) or shared_fleet.session.fresh_ranks:
         shared_fleet.recover()
 
 

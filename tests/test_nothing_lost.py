@@ -182,14 +182,14 @@ def test_an_interrupt_at_any_phase_of_scale_or_recover_loses_nothing(fleet):
         # that finish it cleanly end it cleanly, and the command completes
         if interrupted_after(command, rng.uniform(0.0, 0.6)):
             interrupted += 1
-            landed.append(fleet.unfinished.phases.current if fleet.unfinished is not None else "before changing")
-            if fleet.unfinished is not None:
+            landed.append(fleet.session.unfinished.phases.current if fleet.session.unfinished is not None else "before changing")
+            if fleet.session.unfinished is not None:
                 with pytest.raises(FleetError, match="was interrupted.*run %fleet recover"):
                     fleet.run("1", show_output=False)
                 with pytest.raises(FleetError, match="was interrupted"):
                     fleet.scale(target)
             fleet.recover()
-        assert fleet.unfinished is None
+        assert fleet.session.unfinished is None
         steps = fleet.run("workbench.step", show_output=False)
         assert steps == [3] * fleet.world_size, f"attempt {attempt}: steps {steps}"
         for got in fleet.run(FULL, show_output=False):

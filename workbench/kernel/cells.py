@@ -1,11 +1,12 @@
-"""Kernel side: a cell's way onto the fleet (``Fleet.execute`` / ``Fleet.run``).
+"""Kernel side: a cell's way onto the ranks (``Fleet.execute`` / ``Fleet.run``).
 
-Before a cell runs: the ranks it names and its options are checked against the fleet,
-an engine that died since the last cell is recovered (or the user is told how), and
-ranks replaced by fresh engines refuse cells until ``%fleet recover``. While it runs,
-:mod:`workbench.kernel.execution` streams and supervises it. When a rank is lost during it,
-``--auto-recover`` recovers and runs it again. After it: setup and training cells are
-recorded for replay and export, and stragglers are named (:mod:`workbench.kernel.elastic`).
+Before a cell runs: the ranks it names and its options are checked against the fleet, and
+ranks replaced by fresh engines (or a scale or recover stopped half-way) refuse cells until
+``%fleet recover``. While it runs, :mod:`workbench.kernel.execution` streams and supervises
+it. After it: setup and training cells are recorded for replay and export. What happens
+around a cell (recovering a lost rank first or after, naming stragglers) is the fleet's:
+:meth:`workbench.kernel.fleet.Fleet.execute`; the setup replay of a resize or recovery
+(:mod:`workbench.kernel.elastic`) runs its cells here too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import Callable
 
 from workbench.errors import FleetError, OptionsError
 from workbench.kernel import execution
-from workbench.kernel.elastic import auto_recover, handle_stragglers, recover_if_dead, refuse_if_unfinished
 from workbench.kernel.metrics.store import WINDOW
 from workbench.options import CellOptions
 from workbench.rank import engine
@@ -44,13 +44,15 @@ def targets(fleet, ranks) -> list[int]:
     return ranks
 
 
-def _admit(fleet, options: CellOptions, ranks) -> list[int]:
+def admit(fleet, options: CellOptions, ranks, setup: bool = False) -> list[int]:
     """The cell's target ranks (a one-line error if they or its options do not fit the fleet)."""
     chosen = targets(fleet, ranks)
     options.validate(fleet.device_type, fleet.world_size, fleet.nodes, fleet.backend)
     if (options.custom_parallel or options.comm_hook) and len(chosen) != fleet.world_size:
         raise OptionsError("hsdp, --tp, --pp and --comm-hook need every rank (they build the mesh or DDP "
                            "on the whole group); drop --ranks")
+    if setup and ranks is not None and len(chosen) != fleet.world_size:
+        raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
     return chosen
 
 
@@ -58,7 +60,7 @@ def _refuse_unrecovered(fleet) -> None:
     """A replaced rank has an empty namespace, or a scale or recover stopped half-way: running
     cells before %fleet recover would leave ranks at different steps and parameters (and end in
     a collective timeout)."""
-    refuse_if_unfinished(fleet)
+    fleet.session.refuse_if_unfinished()
     fresh = fleet.session.fresh_ranks
     if fresh and not fleet.session.replaying:
         raise FleetError(f"rank {','.join(map(str, fresh))} was replaced by a fresh engine (empty "
@@ -68,33 +70,18 @@ def _refuse_unrecovered(fleet) -> None:
 def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
             return_value: bool = False, show_output: bool = True, setup: bool = False,
             show_all_progress: bool = False, stop_on_nan: bool = False) -> execution.CellResult:
-    """Run ``code`` as a cell on ``ranks`` of ``fleet`` (see ``Fleet.execute``)."""
-    chosen = _admit(fleet, options, ranks)
-    if setup and ranks is not None and len(chosen) != fleet.world_size:
-        raise OptionsError("a --setup cell runs on every rank (it is replayed on all of them); drop --ranks")
-    refuse_if_unfinished(fleet)  # before a dead engine's message: the command left engines half set up
-    recover_if_dead(fleet)
+    """Run ``code`` as a cell on ``ranks`` of ``fleet`` (see ``Fleet.execute``); raises
+    :class:`~workbench.kernel.execution.DistributedCellError` when a rank failed or was lost."""
+    chosen = admit(fleet, options, ranks, setup)
     _refuse_unrecovered(fleet)
     name = fleet.session.next_cell_name()
     args = (code, options.to_dict(), name, return_value, not return_value, stop_on_nan)
-    try:
-        with _recorded(fleet, name, options, chosen, setup) as replies:
-            result = execution.run_on_ranks(fleet, chosen, engine.run_cell, args, timeout=timeout,
-                                            show_output=show_output, title=name, all_progress=show_all_progress)
-            replies.update(result.replies)
-    except execution.DistributedCellError as exc:
-        what = ("; ".join(dict.fromkeys(exc.lost.values())) if exc.lost  # rank 1 died (…, SIGKILL); host hostB lost (…)
-                else f"rank {','.join(map(str, exc.dead))} died" if exc.dead
-                else f"rank {','.join(map(str, exc.hung))} hung")
-        if not ((exc.dead or exc.hung) and auto_recover(fleet, f"{what} during the cell", again=True)):
-            raise
-        return execute(fleet, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
-                       show_output=show_output, setup=setup, show_all_progress=show_all_progress,
-                       stop_on_nan=stop_on_nan)
+    with _recorded(fleet, name, options, chosen, setup) as replies:
+        result = execution.run_on_ranks(fleet, chosen, engine.run_cell, args, timeout=timeout,
+                                        show_output=show_output, title=name, all_progress=show_all_progress)
+        replies.update(result.replies)
     fleet.session.cell_ran(code, options, setup=setup, on_every_rank=ranks is None)
     fleet.adopt_spares()  # spares that registered while the cell ran get warm now
-    if not fleet.session.replaying:
-        handle_stragglers(fleet)
     return result
 
 
@@ -127,7 +114,7 @@ def _recorded(fleet, name: str, options: CellOptions, ranks: list[int], setup: b
 def call(fleet, function: Callable, args: tuple, kwargs: dict, options: CellOptions, *, ranks=None,
          timeout: float | None = None, show_output: bool = True) -> execution.CellResult:
     """Call ``function(*args, **kwargs)`` on ``ranks`` of ``fleet``, with a cell's names defined."""
-    chosen = _admit(fleet, options, ranks)
+    chosen = admit(fleet, options, ranks)
     _refuse_unrecovered(fleet)
     return execution.run_on_ranks(
         fleet, chosen, engine.run_function, (function, args, kwargs, options.to_dict()), timeout=timeout,

@@ -13,7 +13,6 @@ else from the latest checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from workbench.checkpoint import api as checkpoint_api
 from workbench.checkpoint import replica
 from workbench.checkpoint.api import abandon as abandon_saves
 from workbench.errors import FleetError, OptionsError
+from workbench.kernel import cells
 from workbench.kernel.devices import check_machine_fits
 from workbench.kernel.notices import notice
 from workbench.kernel.output import ProgressLine
@@ -73,19 +73,6 @@ class Unfinished:
                 f"({self.world} ranks)")
 
 
-@contextlib.contextmanager
-def _changing(fleet, unfinished: Unfinished):
-    """While the fleet is changed: an exception (KeyboardInterrupt included) leaves it marked."""
-    fleet.unfinished = unfinished
-    yield
-    fleet.unfinished = None
-
-
-def refuse_if_unfinished(fleet) -> None:
-    if fleet.unfinished is not None and not fleet.session.replaying:
-        raise FleetError(fleet.unfinished.describe())
-
-
 def _release_busy(fleet, phases: _Phases) -> list[int]:
     """Ranks still inside a call of the interrupted command (a rendezvous, a save, ...) cannot take
     new work: replace them. Their state is in the command's checkpoint, if it took one."""
@@ -117,7 +104,7 @@ def _keep_live_state(fleet, lost: set[int]) -> list | None:
         return None
     ids = fleet.engine_ids(survivors)
     try:  # a recover that was interrupted after the survivors set their state aside takes that again
-        kept = fleet.client[ids].apply_async(replica.keep, fleet.unfinished is not None).get(timeout=60)
+        kept = fleet.client[ids].apply_async(replica.keep, fleet.session.unfinished is not None).get(timeout=60)
     except Exception:  # a survivor that cannot answer: the checkpoint it is
         kept = [None]
     if all(k and k["replicated"] for k in kept) and len({tuple(k["keys"]) for k in kept}) == 1:
@@ -173,9 +160,9 @@ def _live_sources(fleet, sources: list | None) -> list | None:
 
 def _replay_and_restore(fleet, phases: _Phases, tag: str, sources: list | None = None) -> dict:
     def replay():
-        with fleet.session.replay() as cells:
-            for code, options in cells:
-                fleet.execute(code, options, show_output=False)
+        with fleet.session.replay() as setup_cells:
+            for code, options in setup_cells:
+                cells.execute(fleet, code, options, show_output=False)
 
     phases.run("setup", f"replaying {len(fleet.session.setup_cells)} setup cell(s)", replay)
     pairs = _live_sources(fleet, sources)
@@ -204,8 +191,9 @@ def _teardown(fleet) -> None:
     fleet.client[fleet.engine_ids()].apply_async(rendezvous.leave).get()
 
 
-def handle_stragglers(fleet) -> None:
-    """After a cell: name a newly slow rank once; with --auto-replace-stragglers, replace it."""
+def new_stragglers(fleet) -> list[int]:
+    """After a cell: name each newly slow rank once; returns the slow ranks (for
+    --auto-replace-stragglers)."""
     from workbench.kernel.metrics.stragglers import describe
 
     slow = fleet.stragglers()
@@ -213,23 +201,21 @@ def handle_stragglers(fleet) -> None:
         notice(f"{describe(rank, slow[rank])}; %fleet replace {rank} swaps it for a fresh engine "
                "(keeping the training state)")
     fleet.slow_reported |= set(slow)
-    if slow and fleet.options.auto_replace_stragglers:
-        auto_recover(fleet, f"rank {','.join(map(str, sorted(slow)))} is slow", replace=sorted(slow))
+    return sorted(slow)
 
 
-def auto_recover(fleet, what: str, again: bool = False, replace: list[int] = ()) -> bool:
-    """With ``--auto-recover`` (or ``replace``: --auto-replace-stragglers) and restarts left:
-    say ``what`` happened, recover (replacing ``replace``), return True (``again``: the caller
-    runs the interrupted cell again)."""
+def auto_recovery(fleet, what: str, again: bool = False, replace: list[int] = ()) -> dict | None:
+    """With ``--auto-recover`` (or ``replace``: --auto-replace-stragglers) and restarts left: say
+    ``what`` happened and return the arguments of the recovery to run (``again``: the caller runs
+    the interrupted cell again); else None."""
     max_restarts = fleet.options.max_restarts
     if not (fleet.options.auto_recover or replace) or (restart := fleet.session.take_restart(max_restarts)) is None:
-        return False
+        return None
     shrink = _no_slot_for_lost_ranks(fleet)
     without = " without the lost host's ranks (no free slot elsewhere)" if shrink else ""
     notice(f"auto-recover {restart}/{max_restarts}: {what}; recovering{without} (a survivor's "
            f"state or the latest checkpoint){' and running the cell again' if again else ''}")
-    fleet.recover(shrink=shrink, replace=() if shrink else replace)
-    return True
+    return {"shrink": shrink, "replace": () if shrink else list(replace)}
 
 
 def _no_slot_for_lost_ranks(fleet) -> bool:
@@ -247,11 +233,14 @@ def loss_headlines(fleet, ranks: list[int]) -> str:
     return "; ".join(dict.fromkeys(fleet.pool.loss(r)[0] for r in ranks))
 
 
-def recover_if_dead(fleet) -> None:
-    """An engine that died between cells: recover (with --auto-recover) or say what to do."""
+def lost_between_cells(fleet) -> tuple[list[int], dict | None]:
+    """Engines that died since the last command, and the recovery to run for them
+    (--auto-recover); without one, a one-line FleetError that says what to do."""
     dead = fleet.pool.dead_ranks(settle_s=0.0)
-    if not dead or auto_recover(fleet, loss_headlines(fleet, dead)):
-        return
+    if not dead:
+        return [], None
+    if (how := auto_recovery(fleet, loss_headlines(fleet, dead))) is not None:
+        return dead, how
     causes = "; ".join(fleet.pool.loss(r)[1] for r in dead)
     raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, gives every "
                      "rank a survivor's state or the latest checkpoint)")
@@ -261,11 +250,11 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
     the process group, replay the setup cells on every rank, then give every rank the
     survivors' state (DDP: a live replica) or the latest complete checkpoint (resharded).
-    After an interrupted scale or recover (``fleet.unfinished``) it finishes that instead:
+    After an interrupted scale or recover (``fleet.session.unfinished``) it finishes that instead:
     busy engines replaced, the fleet brought to the size it was making, its checkpoint restored."""
     fleet.targets(None)
     phases = _Phases(fleet, "recover")
-    unfinished = fleet.unfinished
+    unfinished = fleet.session.unfinished
     busy = _release_busy(fleet, phases) if unfinished is not None else []
     died = fleet.pool.dead_ranks(settle_s=0.5)
     dead = sorted(set(died) | set(replace))
@@ -294,7 +283,7 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
             raise
     world = fleet.world_size - len(lost) if shrink else (unfinished.world if unfinished is not None else
                                                             fleet.world_size)
-    with _changing(fleet, Unfinished("recover", world, None if tag == "latest" else tag, phases)):
+    with fleet.session.changing(Unfinished("recover", world, None if tag == "latest" else tag, phases)):
         if lost:
             phases.run("engines", f"removing rank {','.join(map(str, lost))}", fleet.pool.remove_ranks, lost)
             dead = lost
@@ -331,13 +320,15 @@ def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
             "restored": report["restored"], "source": report.get("source"), "sources": report.get("sources")}
 
 
-def scale(fleet, n: int) -> dict:
-    """Resize ``fleet`` to ``n`` ranks, keeping training state; returns the phases' seconds."""
+def check_scale_size(n) -> None:
+    """A one-line error for a size that is not a whole number of ranks >= 1."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise OptionsError(f"scale needs a whole number of ranks >= 1 (got {n!r}); e.g. %fleet scale 3")
-    fleet.targets(None)
-    refuse_if_unfinished(fleet)
-    recover_if_dead(fleet)
+
+
+def scale(fleet, n: int) -> dict:
+    """Resize ``fleet`` to ``n`` ranks, keeping training state; returns the phases' seconds
+    (:meth:`workbench.kernel.fleet.Fleet.scale` checked ``n`` and recovered lost ranks first)."""
     if fresh := fleet.session.fresh_ranks:
         raise OptionsError(f"rank {','.join(map(str, fresh))} was replaced and has no state yet; "
                            "run %fleet recover before scaling")
@@ -360,7 +351,7 @@ def scale(fleet, n: int) -> dict:
         for set_id in launched:
             fleet.processes.stop_engine_set(set_id)
         raise
-    with _changing(fleet, Unfinished(f"scale {old}→{n}", n, tag, phases)):
+    with fleet.session.changing(Unfinished(f"scale {old}→{n}", n, tag, phases)):
         phases.run("teardown", "process group teardown", _teardown, fleet)
         if n > old:
             phases.run("engines", "adding engines", fleet.pool.add_engines, slots, launched)

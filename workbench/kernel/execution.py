@@ -103,6 +103,12 @@ class DistributedCellError(WorkbenchError):
             return
         super().__init__(f"{what} (rank {ranks} of {world})")
 
+    def what_was_lost(self) -> str:
+        """``rank 1 died (…, SIGKILL)``, ``host hostB lost (…)``, ``rank 2 hung``: the ranks the cell lost."""
+        if self.lost:
+            return "; ".join(dict.fromkeys(self.lost.values()))
+        return f"rank {_ranks(self.dead)} died" if self.dead else f"rank {_ranks(self.hung)} hung"
+
     def groups(self) -> list[tuple[list[int], RankFailure]]:
         """Distinct tracebacks of the ranks that failed, each with its ranks."""
         grouped: dict[str, list[RankFailure]] = {}

@@ -16,6 +16,7 @@ Its options are :class:`workbench.options.FleetOptions` (the same as ``%fleet st
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from workbench.errors import FleetError, OptionsError
 from workbench.kernel import cells, elastic, group, parking
 from workbench.kernel.checkpoints import Checkpoints
 from workbench.kernel.devices import EngineSlot, check_machine_fits, parse_gpu_list, plan_engines
+from workbench.kernel.execution import CellResult, DistributedCellError
 from workbench.kernel.launchers import LauncherSpec
 from workbench.kernel.metrics.live import FleetMetrics
 from workbench.kernel.metrics.sinks import check_sink_names
@@ -51,7 +53,6 @@ CELL_STOP_WAIT_S = 30.0  # how long stop() from another thread waits for the run
 
 
 if TYPE_CHECKING:
-    from workbench.kernel.execution import CellResult
     from workbench.trials import TuneResult
 
 __all__ = ["Fleet", "FleetOptions", "Member"]
@@ -105,7 +106,6 @@ class Fleet:
         self.rank_logs: RankLogs | None = None  # <run>/logs: each rank's output, each engine's own
         self.checkpoints = Checkpoints(self)
         self.session = SessionState()  # setup and training cells, cell defaults, restarts, fresh ranks
-        self.unfinished: elastic.Unfinished | None = None  # a scale or recover stopped half-way
         self.generation = 0  # of the process group: one more at every rendezvous
         self.group_mark = 0  # the metrics records of the current process group start here
         self.slow_reported: set[int] = set()  # stragglers already named in a cell's output
@@ -376,18 +376,47 @@ class Fleet:
 
     def execute(self, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
                 return_value: bool = False, show_output: bool = True, setup: bool = False,
-                show_all_progress: bool = False, stop_on_nan: bool = False) -> "CellResult":
+                show_all_progress: bool = False, stop_on_nan: bool = False) -> CellResult:
         """Run ``code`` as a cell on ``ranks``: the engine of ``%%distributed`` (:mod:`workbench.kernel.cells`).
 
         ``setup``: record the cell (once it ran on every rank without error) to be
         replayed on every rank after :meth:`scale` or a recovery. ``show_all_progress``:
         show every rank's progress bars, not only the first rank's. ``stop_on_nan``: the
         cell fails at the first NaN or infinite value a rank logs.
+
+        Around the cell: an engine that died since the last command is recovered first
+        (``--auto-recover``; else a one-line error); a rank lost during the cell is recovered
+        and the cell runs again (``--auto-recover``); a rank that turned slow is named (and
+        replaced with ``--auto-replace-stragglers``).
         """
+        run = functools.partial(cells.execute, self, code, options, ranks=ranks, timeout=timeout,
+                                return_value=return_value, show_output=show_output, setup=setup,
+                                show_all_progress=show_all_progress, stop_on_nan=stop_on_nan)
         with self.command(busy=True):
-            return cells.execute(self, code, options, ranks=ranks, timeout=timeout, return_value=return_value,
-                                 show_output=show_output, setup=setup, show_all_progress=show_all_progress,
-                                 stop_on_nan=stop_on_nan)
+            cells.admit(self, options, ranks, setup)  # bad flags or ranks: one line before anything changes
+            self.session.refuse_if_unfinished()  # before a dead engine's message: engines are half set up
+            self._recover_lost_ranks()
+            while True:
+                try:
+                    result = run()
+                except DistributedCellError as exc:
+                    how = elastic.auto_recovery(self, f"{exc.what_was_lost()} during the cell", again=True) \
+                        if exc.dead or exc.hung else None
+                    if how is None:
+                        raise
+                    self.recover(**how)
+                    continue
+                if (slow := elastic.new_stragglers(self)) and self.options.auto_replace_stragglers:
+                    if how := elastic.auto_recovery(self, f"rank {','.join(map(str, slow))} is slow", replace=slow):
+                        self.recover(**how)
+                return result
+
+    def _recover_lost_ranks(self) -> None:
+        """Engines that died since the last command: recovered now with ``--auto-recover``, else
+        a one-line error that says what to do."""
+        _, how = elastic.lost_between_cells(self)
+        if how is not None:
+            self.recover(**how)
 
     def stragglers(self) -> dict[int, float]:
         """Slow ranks of the current process group: ``{rank: compute ratio}``
@@ -404,6 +433,7 @@ class Fleet:
         """Resize to ``n`` ranks mid-session: checkpoint, new process group, setup replay,
         resharded restore (see :mod:`workbench.kernel.elastic`). Returns each phase's seconds.
         ``hosts`` (``"hostC:2"``, ``--launcher ssh``): more hosts for the new engines."""
+        elastic.check_scale_size(n)
         with self.command():
             if hosts is not None:
                 if self.pool.hosts is None and not self.pool.cluster_hosts:
@@ -413,6 +443,9 @@ class Fleet:
                     self.pool.hosts = Hosts.parse(hosts)
                 else:
                     self.pool.hosts.add(Hosts.parse(hosts))
+            self.targets(None)
+            self.session.refuse_if_unfinished()
+            self._recover_lost_ranks()
             return elastic.scale(self, n)
 
     def recover(self, shrink: bool = False, replace: list[int] = ()) -> dict:

@@ -93,12 +93,10 @@ def _without_magics(code: str) -> str:
 
 def park(fleet, anyway: bool = True) -> Parked:
     """Checkpoint, stop every engine, remember the size (see the module docstring)."""
-    from workbench.kernel.elastic import refuse_if_unfinished
-
     if fleet.parked is not None:
         raise FleetError("the fleet is parked already; %fleet unpark (or any cell) brings it back")
     fleet.targets(None)
-    refuse_if_unfinished(fleet)
+    fleet.session.refuse_if_unfinished()
     if fleet.session.fresh_ranks:
         raise FleetError("a rank was replaced and has no state yet; run %fleet recover before parking")
     if not fleet.session.setup_cells:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
+from workbench.errors import FleetError
 from workbench.options import CellOptions
 
 
@@ -31,6 +33,9 @@ class SessionState:
     """Cells sent to the ranks so far (names them ``distributed-cell-N``)."""
     replaying: bool = False
     """The setup cells are being replayed (a resize or recovery): they run on fresh ranks too."""
+    unfinished: Any = None
+    """A scale or recover stopped half-way (:class:`workbench.kernel.elastic.Unfinished`): cells
+    and resizes are refused until ``%fleet recover`` finishes it."""
     _fresh: list[int] = field(default_factory=list)
 
     # ------------------------------------------------------------------ cells
@@ -58,6 +63,20 @@ class SessionState:
             yield list(self.setup_cells)
         finally:
             self.replaying = False
+
+    # ------------------------------------------------------------------ a command that changes the fleet
+    @contextlib.contextmanager
+    def changing(self, unfinished):
+        """While a command changes the fleet: an exception (KeyboardInterrupt included) leaves
+        ``unfinished`` behind, for ``%fleet recover`` to finish."""
+        self.unfinished = unfinished
+        yield
+        self.unfinished = None
+
+    def refuse_if_unfinished(self) -> None:
+        """A one-line error while a scale or recover is unfinished (its own setup replay goes on)."""
+        if self.unfinished is not None and not self.replaying:
+            raise FleetError(self.unfinished.describe())
 
     # ------------------------------------------------------------------ ranks without state
     @property
