@@ -191,19 +191,6 @@ def _teardown(fleet) -> None:
     fleet.client[fleet.engine_ids()].apply_async(rendezvous.leave).get()
 
 
-def new_stragglers(fleet) -> list[int]:
-    """After a cell: name each newly slow rank once; returns the slow ranks (for
-    --auto-replace-stragglers)."""
-    from workbench.kernel.metrics.stragglers import describe
-
-    slow = fleet.stragglers()
-    for rank in sorted(set(slow) - fleet.slow_reported):
-        notice(f"{describe(rank, slow[rank])}; %fleet replace {rank} swaps it for a fresh engine "
-               "(keeping the training state)")
-    fleet.slow_reported |= set(slow)
-    return sorted(slow)
-
-
 def auto_recovery(fleet, what: str, again: bool = False, replace: list[int] = ()) -> dict | None:
     """With ``--auto-recover`` (or ``replace``: --auto-replace-stragglers) and restarts left: say
     ``what`` happened and return the arguments of the recovery to run (``again``: the caller runs

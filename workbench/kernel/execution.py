@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -212,11 +211,8 @@ def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None
     ``KeyboardInterrupt`` after an interrupt (once every rank has stopped). ``Fleet.stop()``
     from another thread stops the ranks the same way, then this raises a one-line FleetError.
     """
-    previous, fleet.cell_thread = fleet.cell_thread, threading.get_ident()
-    try:
+    with fleet.cell_running():
         return _CellRun(fleet, ranks, timeout, show_output, all_progress).run(function, args, title)
-    finally:
-        fleet.cell_thread = previous
 
 
 class _CellRun:

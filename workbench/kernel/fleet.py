@@ -135,6 +135,15 @@ class Fleet:
                 if self.autopark is not None:
                     self.autopark.active()
 
+    @contextlib.contextmanager
+    def cell_running(self):
+        """While this thread runs a cell on the ranks (:meth:`stop` from another thread stops it)."""
+        previous, self.cell_thread = self.cell_thread, threading.get_ident()
+        try:
+            yield
+        finally:
+            self.cell_thread = previous
+
     @property
     def world_size(self) -> int:
         return self.pool.world_size
@@ -406,10 +415,21 @@ class Fleet:
                         raise
                     self.recover(**how)
                     continue
-                if (slow := elastic.new_stragglers(self)) and self.options.auto_replace_stragglers:
+                if (slow := self._name_stragglers()) and self.options.auto_replace_stragglers:
                     if how := elastic.auto_recovery(self, f"rank {','.join(map(str, slow))} is slow", replace=slow):
                         self.recover(**how)
                 return result
+
+    def _name_stragglers(self) -> list[int]:
+        """After a cell: name each newly slow rank once; returns the slow ranks."""
+        from workbench.kernel.metrics.stragglers import describe
+
+        slow = self.stragglers()
+        for rank in sorted(set(slow) - self.slow_reported):
+            notice(f"{describe(rank, slow[rank])}; %fleet replace {rank} swaps it for a fresh engine "
+                   "(keeping the training state)")
+        self.slow_reported |= set(slow)
+        return sorted(slow)
 
     def _recover_lost_ranks(self) -> None:
         """Engines that died since the last command: recovered now with ``--auto-recover``, else

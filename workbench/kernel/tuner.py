@@ -19,7 +19,7 @@ def tune_fleet(fleet, step, model, batch, optimizer, options: TuneOptions) -> Tu
         notice("no configuration fit: every trial ran out of memory or was skipped; try smaller "
                "micro-batches (--micro-batches) or another strategy")
     elif options.apply:
-        fleet.cell_defaults = best.cell_options(fleet.cell_defaults)
+        fleet.session.cell_defaults = best.cell_options(fleet.session.cell_defaults)
         fleet.push(micro_batch_size=best.micro_batch)
         print(f"workbench: the next cells run with {best.flags()} (a flag on a cell overrides it), and "
               f"micro_batch_size = {best.micro_batch} on every rank", flush=True)
