@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from workbench.errors import FleetError, OptionsError
 from workbench.kernel import execution
@@ -21,8 +22,11 @@ from workbench.kernel.metrics.store import WINDOW
 from workbench.options import CellOptions
 from workbench.rank import engine
 
+if TYPE_CHECKING:
+    from workbench.kernel.fleet import Fleet
 
-def targets(fleet, ranks) -> list[int]:
+
+def targets(fleet: Fleet, ranks) -> list[int]:
     """``ranks`` (None: all) checked against ``fleet``: a sorted list, or a one-line error."""
     if not fleet.running:
         raise FleetError("no fleet is running; start one with %fleet start -n 2 (or Fleet(n=2).start())")
@@ -44,7 +48,7 @@ def targets(fleet, ranks) -> list[int]:
     return ranks
 
 
-def admit(fleet, options: CellOptions, ranks, setup: bool = False) -> list[int]:
+def admit(fleet: Fleet, options: CellOptions, ranks, setup: bool = False) -> list[int]:
     """The cell's target ranks (a one-line error if they or its options do not fit the fleet)."""
     chosen = targets(fleet, ranks)
     options.validate(fleet.device_type, fleet.world_size, fleet.nodes, fleet.backend)
@@ -56,7 +60,7 @@ def admit(fleet, options: CellOptions, ranks, setup: bool = False) -> list[int]:
     return chosen
 
 
-def _refuse_unrecovered(fleet) -> None:
+def _refuse_unrecovered(fleet: Fleet) -> None:
     """A replaced rank has an empty namespace, or a scale or recover stopped half-way: running
     cells before %fleet recover would leave ranks at different steps and parameters (and end in
     a collective timeout)."""
@@ -67,7 +71,7 @@ def _refuse_unrecovered(fleet) -> None:
                          "namespace); run %fleet recover first, so that every rank has the same state")
 
 
-def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
+def execute(fleet: Fleet, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
             return_value: bool = False, show_output: bool = True, setup: bool = False,
             show_all_progress: bool = False, stop_on_nan: bool = False) -> execution.CellResult:
     """Run ``code`` as a cell on ``ranks`` of ``fleet`` (see ``Fleet.execute``); raises
@@ -86,7 +90,7 @@ def execute(fleet, code: str, options: CellOptions, *, ranks=None, timeout: floa
 
 
 @contextlib.contextmanager
-def _recorded(fleet, name: str, options: CellOptions, ranks: list[int], setup: bool):
+def _recorded(fleet: Fleet, name: str, options: CellOptions, ranks: list[int], setup: bool):
     """The cell in the run's record (``run.json``): flags, ranks, start, end, status, its
     scalars' last values, and the ranks' ``workbench.config``."""
     started, first = time.time(), len(fleet.metrics.store) if fleet.metrics else 0
@@ -111,7 +115,7 @@ def _recorded(fleet, name: str, options: CellOptions, ranks: list[int], setup: b
             fleet.record.cell(name, flags, ranks, started, status, error, records)
 
 
-def call(fleet, function: Callable, args: tuple, kwargs: dict, options: CellOptions, *, ranks=None,
+def call(fleet: Fleet, function: Callable, args: tuple, kwargs: dict, options: CellOptions, *, ranks=None,
          timeout: float | None = None, show_output: bool = True) -> execution.CellResult:
     """Call ``function(*args, **kwargs)`` on ``ranks`` of ``fleet``, with a cell's names defined."""
     chosen = admit(fleet, options, ranks)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from workbench.checkpoint import api, hf_export, layout, replica, storage
 from workbench.checkpoint.failures import OS_REASONS
@@ -20,11 +21,14 @@ from workbench.errors import CheckpointError
 from workbench.kernel import execution
 from workbench.rank import engine
 
+if TYPE_CHECKING:
+    from workbench.kernel.fleet import Fleet
+
 EXPORT_TIMEOUT_S = 3600.0
 
 
 class Checkpoints:
-    def __init__(self, fleet) -> None:
+    def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
 
     @property

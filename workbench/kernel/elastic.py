@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from workbench.checkpoint import api as checkpoint_api
 from workbench.checkpoint import replica
@@ -27,6 +28,9 @@ from workbench.kernel.notices import notice
 from workbench.kernel.output import ProgressLine
 from workbench.rank import engine, rendezvous
 
+if TYPE_CHECKING:
+    from workbench.kernel.fleet import Fleet
+
 MAX_RANKS = 4096  # past this a typo, not a fleet: nothing is built for it
 BUSY_WAIT_S = 3.0  # how long an engine may take to answer before an unfinished command's recover replaces it
 
@@ -34,7 +38,7 @@ BUSY_WAIT_S = 3.0  # how long an engine may take to answer before an unfinished 
 class _Phases:
     """Shows ``what: phase…  done-phase 1.2s …`` while phases run, and keeps their seconds."""
 
-    def __init__(self, fleet, what: str) -> None:
+    def __init__(self, fleet: Fleet, what: str) -> None:
         self.progress = ProgressLine(fleet.options.progress)
         self.what = what
         self.timings: dict[str, float] = {}
@@ -73,7 +77,7 @@ class Unfinished:
                 f"({self.world} ranks)")
 
 
-def _release_busy(fleet, phases: _Phases) -> list[int]:
+def _release_busy(fleet: Fleet, phases: _Phases) -> list[int]:
     """Ranks still inside a call of the interrupted command (a rendezvous, a save, ...) cannot take
     new work: replace them. Their state is in the command's checkpoint, if it took one."""
     registered = set(fleet.client.ids)  # an engine whose start was interrupted may not have registered
@@ -87,7 +91,7 @@ def _release_busy(fleet, phases: _Phases) -> list[int]:
     return busy
 
 
-def _resize_to(fleet, world: int) -> None:
+def _resize_to(fleet: Fleet, world: int) -> None:
     """Add fresh engines or remove the last ranks until the fleet has ``world`` ranks."""
     if world > fleet.world_size:
         fleet.pool.add_engines(fleet.pool.new_slots(world - fleet.world_size))
@@ -95,7 +99,7 @@ def _resize_to(fleet, world: int) -> None:
         fleet.pool.remove_ranks(list(range(world, fleet.world_size)))
 
 
-def _keep_live_state(fleet, lost: set[int]) -> list | None:
+def _keep_live_state(fleet: Fleet, lost: set[int]) -> list | None:
     """Survivors set their state aside before the setup replay; returns ``[holds, engine id]``
     pairs: for each state a survivor holds (the whole state, or one shard of hsdp's), the one to
     take it from. None when the survivors cannot give it (sharded without replicas, or none left)."""
@@ -123,7 +127,7 @@ def _keep_live_state(fleet, lost: set[int]) -> list | None:
     return None
 
 
-def _refuse_resize(fleet, world: int, what: str, ranks: list[int] | None = None) -> None:
+def _refuse_resize(fleet: Fleet, world: int, what: str, ranks: list[int] | None = None) -> None:
     """Refuse, before anything changes, a resize that would lose the data's exact position or
     per-rank state (asks the first of ``ranks``, rank 0 by default: ranks agree on it)."""
     survivor = fleet.engine_ids(ranks or [0])[:1]
@@ -132,14 +136,14 @@ def _refuse_resize(fleet, world: int, what: str, ranks: list[int] | None = None)
         raise OptionsError(f"{what} (nothing was changed): {refused[0]}")
 
 
-def _drop_kept(fleet, engine_ids: list[int]) -> None:
+def _drop_kept(fleet: Fleet, engine_ids: list[int]) -> None:
     try:
         fleet.client[engine_ids].apply_async(replica.drop)
     except Exception:  # an engine that has died meanwhile kept nothing worth dropping
         pass
 
 
-def _live_sources(fleet, sources: list | None) -> list | None:
+def _live_sources(fleet: Fleet, sources: list | None) -> list | None:
     """After the replay: ``sources`` as ``[holds, rank]`` pairs, if every rank now holds a state
     one of them has (hsdp: every shard survived somewhere); else None (the kept state is dropped)."""
     if sources is None:
@@ -158,7 +162,7 @@ def _live_sources(fleet, sources: list | None) -> list | None:
     return None
 
 
-def _replay_and_restore(fleet, phases: _Phases, tag: str, sources: list | None = None) -> dict:
+def _replay_and_restore(fleet: Fleet, phases: _Phases, tag: str, sources: list | None = None) -> dict:
     def replay():
         with fleet.session.replay() as setup_cells:
             for code, options in setup_cells:
@@ -183,7 +187,7 @@ def _replay_and_restore(fleet, phases: _Phases, tag: str, sources: list | None =
     return report
 
 
-def _teardown(fleet) -> None:
+def _teardown(fleet: Fleet) -> None:
     """Every rank leaves the process group; background saves the old group broke are set aside."""
     broken = fleet.client[fleet.engine_ids()].apply_async(abandon_saves).get()
     for error in sorted({n for errors in broken for n in errors}):
@@ -191,7 +195,7 @@ def _teardown(fleet) -> None:
     fleet.client[fleet.engine_ids()].apply_async(rendezvous.leave).get()
 
 
-def auto_recovery(fleet, what: str, again: bool = False, replace: list[int] = ()) -> dict | None:
+def auto_recovery(fleet: Fleet, what: str, again: bool = False, replace: list[int] = ()) -> dict | None:
     """With ``--auto-recover`` (or ``replace``: --auto-replace-stragglers) and restarts left: say
     ``what`` happened and return the arguments of the recovery to run (``again``: the caller runs
     the interrupted cell again); else None."""
@@ -205,7 +209,7 @@ def auto_recovery(fleet, what: str, again: bool = False, replace: list[int] = ()
     return {"shrink": shrink, "replace": () if shrink else list(replace)}
 
 
-def _no_slot_for_lost_ranks(fleet) -> bool:
+def _no_slot_for_lost_ranks(fleet: Fleet) -> bool:
     """Ranks on a lost host have no free slot on another host: recovering goes on without them."""
     try:
         fleet.pool.replaceable(fleet.pool.dead_ranks(settle_s=0.0))
@@ -214,13 +218,13 @@ def _no_slot_for_lost_ranks(fleet) -> bool:
     return False
 
 
-def loss_headlines(fleet, ranks: list[int]) -> str:
+def loss_headlines(fleet: Fleet, ranks: list[int]) -> str:
     """One line for the ranks just lost: ``rank 1 of 3 died (engine 4, pid 123, SIGKILL)``; a lost
     host's ranks share one headline. The same words whether the loss was seen between cells or in one."""
     return "; ".join(dict.fromkeys(fleet.pool.loss(r)[0] for r in ranks))
 
 
-def lost_between_cells(fleet) -> tuple[list[int], dict | None]:
+def lost_between_cells(fleet: Fleet) -> tuple[list[int], dict | None]:
     """Engines that died since the last command, and the recovery to run for them
     (--auto-recover); without one, a one-line FleetError that says what to do."""
     dead = fleet.pool.dead_ranks(settle_s=0.0)
@@ -233,7 +237,7 @@ def lost_between_cells(fleet) -> tuple[list[int], dict | None]:
                      "rank a survivor's state or the latest checkpoint)")
 
 
-def recover(fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
+def recover(fleet: Fleet, shrink: bool = False, replace: list[int] = ()) -> dict:
     """After an engine died: replace it (or, with ``shrink``, go on without it), rebuild
     the process group, replay the setup cells on every rank, then give every rank the
     survivors' state (DDP: a live replica) or the latest complete checkpoint (resharded).
@@ -313,7 +317,7 @@ def check_scale_size(n) -> None:
         raise OptionsError(f"scale needs a whole number of ranks >= 1 (got {n!r}); e.g. %fleet scale 3")
 
 
-def scale(fleet, n: int) -> dict:
+def scale(fleet: Fleet, n: int) -> dict:
     """Resize ``fleet`` to ``n`` ranks, keeping training state; returns the phases' seconds
     (:meth:`workbench.kernel.fleet.Fleet.scale` checked ``n`` and recovered lost ranks first)."""
     if fresh := fleet.session.fresh_ranks:

@@ -20,6 +20,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from workbench import links
 from workbench.errors import FleetError, WorkbenchError
@@ -29,6 +30,9 @@ from workbench.kernel.pool import PROBE_TIMEOUT_S, QUIET_S
 from workbench.kernel.watchdog import HangWatch
 from workbench.messages import CellReply
 from workbench.rank import rendezvous
+
+if TYPE_CHECKING:
+    from workbench.kernel.fleet import Fleet
 
 POLL_S = 0.1  # streaming refresh and timeout granularity; results wake us at once
 FAILURE_GRACE_S = 0.2  # let ranks failing with the same error report together
@@ -200,7 +204,7 @@ def _stream_text(ar, attr: str) -> str:
     return value or ""
 
 
-def run_on_ranks(fleet, ranks: list[int], function, args: tuple, *, timeout=None, show_output=True,
+def run_on_ranks(fleet: Fleet, ranks: list[int], function, args: tuple, *, timeout=None, show_output=True,
                  title: str | None = None, all_progress: bool = False) -> CellResult:
     """Apply ``function(*args)`` on every rank in ``ranks`` and collect the replies.
 
@@ -219,7 +223,7 @@ class _CellRun:
     """One cell on a set of ranks: submitted, watched until every rank answered (stopping them
     all when one fails, hangs, is lost, or the user interrupts), then its outcome reported."""
 
-    def __init__(self, fleet, ranks: list[int], timeout: float | None, show_output: bool,
+    def __init__(self, fleet: Fleet, ranks: list[int], timeout: float | None, show_output: bool,
                  all_progress: bool) -> None:
         self.fleet, self.ranks, self.timeout = fleet, ranks, timeout
         self.output = RankOutput(ranks, all_progress=all_progress) if show_output else None
@@ -441,7 +445,7 @@ def _reply(ar) -> CellReply:
         return CellReply(ok=False, ename=ename, evalue=evalue, traceback=f"{ename}: {evalue}")
 
 
-def _act(fleet, action: str, pending: dict) -> str:
+def _act(fleet: Fleet, action: str, pending: dict) -> str:
     running = sorted(pending)
     if action == "sigint":
         fleet.pool.signal(running, signal.SIGINT)
@@ -464,7 +468,7 @@ def _worst(hangs) -> list[int]:
     return frozen or [h.rank for h in hangs]
 
 
-def _repair(fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tuple[list[str], list[int]]:
+def _repair(fleet: Fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tuple[list[str], list[int]]:
     """Rebuild the process group if the cell may have left it inconsistent.
 
     Returns notes for the user and the ranks whose engine had died (now replaced); ``lost``

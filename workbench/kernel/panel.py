@@ -27,11 +27,15 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import psutil
 
 from workbench.kernel.metrics.store import json_safe
 from workbench.messages import EngineRow, PanelState
+
+if TYPE_CHECKING:
+    from workbench.kernel.fleet import Fleet
 
 TARGET = "workbench.panel"  # the comm target the lab extension opens
 POLL_S = 0.25
@@ -79,7 +83,7 @@ def snapshot() -> PanelState:
     return state
 
 
-def _last_cell(fleet) -> dict | None:
+def _last_cell(fleet: Fleet) -> dict | None:
     """The newest cell that ended, from the run's record (its list is replaced, never changed in place)."""
     cells = fleet.record.cells if fleet.record is not None else []
     if not cells:

@@ -15,10 +15,14 @@ import ast
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from workbench.errors import FleetError
 from workbench.kernel.notices import notice
 from workbench.rank import rendezvous
+
+if TYPE_CHECKING:
+    from workbench.kernel.fleet import Fleet
 
 # names every rank has without a cell making them (IPython's, and the names workbench gives cells)
 _GIVEN = {"In", "Out", "exit", "quit", "get_ipython", "accelerator", "rank", "world_size", "local_rank", "device",
@@ -58,7 +62,7 @@ class Usage:
                 f"({self.engine_seconds / 60:.1f} engine-minutes); idle {idle:.0%} of this run's {up / 60:.1f} min")
 
 
-def names_lost_by_parking(fleet) -> list[str]:
+def names_lost_by_parking(fleet: Fleet) -> list[str]:
     """Names in rank 0's namespace that parking would lose: not made by a ``--setup`` cell, not
     given by workbench or IPython (prepared and registered objects come back from the checkpoint
     only through the setup cells that made them)."""
@@ -91,7 +95,7 @@ def _without_magics(code: str) -> str:
     return "\n".join("pass" if line.lstrip().startswith(("%", "!")) else line for line in code.splitlines())
 
 
-def park(fleet, anyway: bool = True) -> Parked:
+def park(fleet: Fleet, anyway: bool = True) -> Parked:
     """Checkpoint, stop every engine, remember the size (see the module docstring)."""
     if fleet.parked is not None:
         raise FleetError("the fleet is parked already; %fleet unpark (or any cell) brings it back")
@@ -117,7 +121,7 @@ def park(fleet, anyway: bool = True) -> Parked:
     return fleet.parked
 
 
-def unpark(fleet) -> dict:
+def unpark(fleet: Fleet) -> dict:
     """Start the parked fleet's engines, replay the setup cells, restore its checkpoint."""
     from workbench.kernel.elastic import _Phases, _replay_and_restore
 
@@ -140,7 +144,7 @@ class AutoPark:
     """``--park-after S``: a thread that parks the fleet once no command ran for S seconds
     (unless rank 0 holds names parking would lose; ``--park-anyway`` parks regardless)."""
 
-    def __init__(self, fleet, after_s: float, anyway: bool) -> None:
+    def __init__(self, fleet: Fleet, after_s: float, anyway: bool) -> None:
         self.fleet, self.after_s, self.anyway = fleet, after_s, anyway
         self.skipped: str | None = None  # why the last idle stretch did not park
         self._stop = threading.Event()

@@ -6,8 +6,12 @@ import os
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from workbench.checkpoint import layout
+
+if TYPE_CHECKING:
+    from workbench.kernel.fleet import Fleet
 
 _GATE_WRITES = """
 import os, time
@@ -32,18 +36,18 @@ for _cls in (_fs.FileSystemWriter, _helper.HelperWrites):
 """
 
 
-def gate_checkpoint_writes(fleet, gate: str) -> None:
+def gate_checkpoint_writes(fleet: Fleet, gate: str) -> None:
     """Make DCP's write step wait on every rank until the file ``gate`` exists."""
     fleet.run(_GATE_WRITES.format(gate=str(gate)), show_output=False)
 
 
-def ungate_checkpoint_writes(fleet) -> None:
+def ungate_checkpoint_writes(fleet: Fleet) -> None:
     """Undo :func:`gate_checkpoint_writes` on every rank that has it (a replaced rank never did)."""
     survivors = [r for r in range(fleet.world_size) if r not in fleet.session.fresh_ranks]
     fleet.client[fleet.engine_ids(survivors)].execute(_UNGATE_WRITES, block=True)
 
 
-def kill_rank_during_save(fleet, victim: int, gate: str, tag: str | None = None) -> BaseException | None:
+def kill_rank_during_save(fleet: Fleet, victim: int, gate: str, tag: str | None = None) -> BaseException | None:
     """SIGKILL rank ``victim`` while every rank is inside DCP's write step of a save.
 
     Returns the error the save raised (None if it did not fail). The writes are

@@ -4,12 +4,17 @@ of the next cells."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from workbench.kernel.notices import notice
 from workbench.options import TuneOptions
 from workbench.trials import TuneResult, tune
 
+if TYPE_CHECKING:
+    from workbench.kernel.fleet import Fleet
 
-def tune_fleet(fleet, step, model, batch, optimizer, options: TuneOptions) -> TuneResult:
+
+def tune_fleet(fleet: Fleet, step, model, batch, optimizer, options: TuneOptions) -> TuneResult:
     """Run :func:`workbench.trials.tune` on every rank; apply the fastest configuration that fit
     (``options.apply``): the fleet's ``cell_defaults`` and ``micro_batch_size`` on every rank."""
     options.validate(fleet.device_type, fleet.world_size, fleet.nodes)

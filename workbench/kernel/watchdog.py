@@ -33,8 +33,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from workbench.metrics.logger import BEAT_EVERY_S
+
+if TYPE_CHECKING:
+    from workbench.kernel.fleet import Fleet
 
 FROZEN_AFTER_MIN_S = 3 * BEAT_EVERY_S  # a busy 2-core machine delays a beat by a second or more
 MISMATCH_AFTER_S = 5.0
@@ -57,7 +61,7 @@ class Hang:
 class HangWatch:
     """Judges the pending ranks of one cell from their heartbeats."""
 
-    def __init__(self, fleet, ranks: list[int], timeout: float | None) -> None:
+    def __init__(self, fleet: Fleet, ranks: list[int], timeout: float | None) -> None:
         self.timeout = timeout
         self.store = fleet.metrics.store
         self.pids = {r: fleet.member(r).pid for r in ranks}
