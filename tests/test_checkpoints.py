@@ -442,7 +442,7 @@ def test_a_rank_killed_during_an_async_save_does_not_break_the_recovery(fleet, t
     gate_checkpoint_writes(fleet, str(gate))
     try:
         fleet.checkpoints.save(tag="async-broken", async_=True)  # staged; the writes wait at the gate
-        writers = fleet.run("from workbench.rank.state import STATE as _s\n_s.writer.process.pid", show_output=False)
+        writers = fleet.run("from workbench.rank_state import STATE as _s\n_s.writer.process.pid", show_output=False)
         assert len(set(writers)) == 2 and all(psutil.pid_exists(pid) for pid in writers)
         os.kill(fleet.member(1).pid, signals.SIGKILL)
         assert wait_until_gone([writers[1]], timeout=5) == [], "the writer process dies with its rank"

@@ -320,7 +320,7 @@ def test_exit_without_a_code_ends_the_rank_as_a_success(fleet, capsys):
 
 
 def test_a_scripts_init_process_group_joins_or_refuses_in_one_line(fleet, capsys):
-    fleet.run("from workbench.rank.state import STATE\nSTATE.joined_notice_sent = False  # as on a new engine")
+    fleet.run("from workbench.rank_state import STATE\nSTATE.joined_notice_sent = False  # as on a new engine")
     fleet.run("import torch.distributed as dist\ndist.init_process_group(backend='gloo', init_method='env://')")
     assert "init_process_group joined the fleet's process group" in capsys.readouterr().err
     with pytest.raises(DistributedCellError, match=r"init_process_group\(backend 'nccl'\) does not match this "

@@ -63,7 +63,7 @@ def test_the_kernel_names_still_import_from_the_package():
 
 # The engine side, bottom layer first: a module imports only from its own layer or below.
 LAYERS = [
-    ["workbench.rank", "workbench.rank.state", "workbench.errors", "workbench.messages", "workbench.rank.data_position",
+    ["workbench.rank", "workbench.rank_state", "workbench.errors", "workbench.messages", "workbench.data_position",
      "workbench.rank.batch_process", "workbench.reaper", "workbench.rank.stacks", "workbench.placement",
      "workbench.links", "workbench.launcher_kinds"],
     ["workbench.metrics.comm", "workbench.metrics.gpu", "workbench.metrics.logger", "workbench.metrics"],
@@ -190,3 +190,38 @@ def test_the_packages_show_the_two_sides():
                          if b.startswith("workbench.kernel") and not a.startswith("workbench.kernel")
                          and a not in ("workbench", "workbench.script"))
     assert reaching_in == [], reaching_in
+
+
+def test_no_import_circle_between_sibling_packages():
+    """rank/, kernel/, checkpoint/, metrics/, parallel/ (and the top level) import each other one
+    way (a package and its own sub-package, kernel/ and kernel/metrics/, may share base modules)."""
+    graph = _imports()
+    packages = {name: name.rpartition(".")[0] if name.count(".") > 1 or not _is_package(name) else name
+                for name in graph}
+    edges: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        for b in targets:
+            pa, pb = packages[a], packages[b]
+            if pa != pb and not pa.startswith(pb + ".") and not pb.startswith(pa + "."):
+                edges.setdefault(pa, set()).add(pb)
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            raise AssertionError("package circle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        path.append(name)
+        for target in sorted(edges.get(name, ())):
+            visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(edges):
+        visit(name)
+
+
+def _is_package(name: str) -> bool:
+    import pathlib
+
+    return (pathlib.Path(__file__).resolve().parent.parent / name.replace(".", "/") / "__init__.py").exists()

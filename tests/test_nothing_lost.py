@@ -103,7 +103,7 @@ def test_stop_waits_for_a_background_save_to_commit(tmp_path):
 
 CHILD_OF_A_DYING_RANK = """
 import os, sys, time
-from workbench.rank.state import die_with_parent
+from workbench.rank_state import die_with_parent
 parent = os.getpid()
 child = os.fork()
 if child == 0:

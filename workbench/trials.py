@@ -24,7 +24,7 @@ from typing import Any
 from workbench.errors import OptionsError
 from workbench.metrics.logger import LOGGER
 from workbench.options import CellOptions, TuneOptions, parse_size
-from workbench.rank.state import STATE, is_out_of_memory, namespace
+from workbench.rank_state import STATE, is_out_of_memory, namespace
 
 OUT_OF_MEMORY = "out of memory"
 OVER_MAX_MEMORY = "over --max-memory"

@@ -27,7 +27,7 @@ from workbench.checkpoint.state import REGISTERED, CheckpointState
 from workbench.checkpoint.storage import absolute, join, store_for
 from workbench.errors import CheckpointError
 from workbench.messages import Restored
-from workbench.rank.state import namespace
+from workbench.rank_state import namespace
 
 
 def _failure_types() -> tuple:
@@ -73,7 +73,7 @@ SAVES = _Saves()
 def _context():
     """(this rank's state, its rendezvous spec, the step logger), once the rank is in a fleet run."""
     from workbench.metrics.logger import LOGGER
-    from workbench.rank.state import STATE
+    from workbench.rank_state import STATE
 
     spec = STATE.spec
     if spec is None or STATE.run_dir is None:
@@ -365,7 +365,7 @@ def restore(tag: str = "latest") -> Restored:
 def refusals_at(world: int) -> list[str]:
     """Why this rank's training state cannot move to ``world`` ranks: data positions that cannot
     be resharded, per-rank registered objects. Empty when it can."""
-    from workbench.rank.state import STATE
+    from workbench.rank_state import STATE
 
     rank = STATE.spec.rank if STATE.spec else 0
     return CheckpointState(namespace(), rank, step=0, any_generation=True).live_refusals(world)

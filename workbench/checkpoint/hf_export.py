@@ -21,7 +21,7 @@ MODEL_PREFIX = "model/"
 def describe_model(name: str) -> dict | None:
     """On a rank: the Hugging Face config of the model ``name`` in its namespace, and its class
     as ``from_pretrained`` needs it (not the DDP/FSDP wrapper's); None for a plain module."""
-    from workbench.rank.state import namespace
+    from workbench.rank_state import namespace
 
     model = namespace().get(name)
     model = getattr(model, "module", model)  # DDP keeps the model in .module; FSDP2 subclasses it
@@ -36,7 +36,7 @@ def prepared_models() -> list[str]:
     """On a rank: the names of its prepared models (what a checkpoint saves under ``model/``)."""
     from workbench.checkpoint.state import CheckpointState
     from workbench.metrics.logger import LOGGER
-    from workbench.rank.state import STATE, namespace
+    from workbench.rank_state import STATE, namespace
 
     return sorted(CheckpointState(namespace(), STATE.spec.rank, LOGGER.step).objects["model"])
 

@@ -6,7 +6,7 @@ aside (:func:`keep`: references to the old objects' tensors, no copy); the
 setup cells are then replayed on every rank, and one survivor sends its state
 to every rank over the new group (:func:`share`). The work lost is the step in
 flight, not a checkpoint interval, and the data goes on exactly where that step left it
-(:mod:`workbench.rank.data_position`). Any number of survivors works: they agree on the shared
+(:mod:`workbench.data_position`). Any number of survivors works: they agree on the shared
 state (the one with the most completed steps sends it), each keeps its own RNG state; a
 replaced rank's RNG state died with it (it has its setup cells' seed).
 
@@ -34,7 +34,7 @@ def keep(again: bool = False) -> KeptState | None:
     that was interrupted set the state aside already (its setup replay may have replaced the
     objects since): that state is the one to keep."""
     from workbench.metrics.logger import LOGGER
-    from workbench.rank.state import STATE, namespace
+    from workbench.rank_state import STATE, namespace
 
     rank = STATE.spec.rank if STATE.spec else 0
     if not (again and STATE.kept_state is not None):
@@ -56,7 +56,7 @@ def keep(again: bool = False) -> KeptState | None:
 def holding() -> list | None:
     """After the setup replay: which shard this rank's freshly prepared models hold (None: the
     whole state; ``[]`` when it is sharded in a way no other rank shares)."""
-    from workbench.rank.state import STATE, namespace
+    from workbench.rank_state import STATE, namespace
 
     holds = _holding(CheckpointState(namespace(), STATE.spec.rank, 0).objects["model"])
     return holds or None if holds is not None else []
@@ -91,7 +91,7 @@ def share(sources: list) -> Restored:
     import torch.distributed as dist
 
     from workbench.metrics.logger import LOGGER
-    from workbench.rank.state import STATE, namespace
+    from workbench.rank_state import STATE, namespace
 
     rank = STATE.spec.rank
     own, STATE.kept_state = STATE.kept_state, None
@@ -121,7 +121,7 @@ def share(sources: list) -> Restored:
 
 def drop() -> None:
     """Forget the kept state (recover used the checkpoint instead)."""
-    from workbench.rank.state import STATE
+    from workbench.rank_state import STATE
 
     STATE.kept_state = None
 

@@ -25,7 +25,7 @@ def prepared_objects(namespace: dict, any_generation: bool = False) -> dict[str,
     made recovery necessary; objects of older groups are leftovers no setup cell makes now)."""
     import torch
 
-    from workbench.rank.state import STATE
+    from workbench.rank_state import STATE
 
     prepared = {name: obj for name, obj in namespace.items()
                 if not name.startswith("_") and (getattr(obj, "_is_accelerate_prepared", False)
@@ -187,7 +187,7 @@ class CheckpointState:
 
     def refusals(self, loaded_positions: dict, saved_keys: set[str], saved_world: int, world: int) -> list[str]:
         """Why this checkpoint cannot go on at ``world`` ranks (every rank finds the same)."""
-        from workbench.rank.data_position import refusal
+        from workbench.data_position import refusal
 
         found = [refusal(_name(key), text, world)
                  for key, text in sorted(loaded_positions.items())]
@@ -203,7 +203,7 @@ class CheckpointState:
         recover changes anything)."""
         positions = {key: position.state() for key, position in self.positions().values()}
         per_rank = {f"user/{name}{PER_RANK_MARK}{self.rank}" for name, (_, mine) in REGISTERED.items() if mine}
-        from workbench.rank.state import STATE
+        from workbench.rank_state import STATE
 
         return self.refusals(positions, per_rank, STATE.world_size, world)
 

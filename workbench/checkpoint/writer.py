@@ -33,7 +33,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.futures import Future
 
-from workbench.rank.state import STATE, die_with_parent
+from workbench.rank_state import STATE, die_with_parent
 
 
 def start() -> None:

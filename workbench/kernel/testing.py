@@ -142,7 +142,7 @@ class LocalS3:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        from workbench.rank.state import die_with_parent
+        from workbench.rank_state import die_with_parent
 
         self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

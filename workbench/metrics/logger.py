@@ -104,7 +104,7 @@ class MetricsLogger:
         was sent first, so the kernel's summary and panel show it too)."""
         import math
 
-        from workbench.rank.state import STATE
+        from workbench.rank_state import STATE
 
         for name, value in scalars.items():
             number = float(value.item() if hasattr(value, "item") else value)
@@ -122,7 +122,7 @@ class MetricsLogger:
         self._emit_stepped()
         self._stepped = self._measure({})
         if not self._suspended:
-            from workbench.rank.data_position import step_completed
+            from workbench.data_position import step_completed
 
             self._stepped_step = self.step
             self.step += 1
@@ -133,7 +133,7 @@ class MetricsLogger:
     def optimizer_prepared(self) -> None:
         """``accelerator.prepare`` returned an optimizer: from now on its steps are the steps, and
         dataloader positions advance at them."""
-        from workbench.rank.data_position import optimizer_prepared
+        from workbench.data_position import optimizer_prepared
 
         self.optimizer_driven = True
         optimizer_prepared()
@@ -265,7 +265,7 @@ class MetricsLogger:
     def _carry_out_cuts(self, cuts: CutOrders) -> None:
         """A host was lost: links to it are cut, so that a collective waiting on it ends now
         (this thread runs while the main thread waits; :mod:`workbench.links`)."""
-        from workbench.rank.state import STATE
+        from workbench.rank_state import STATE
 
         if cut := cuts.check(STATE.run_dir):
             self.cut_links += cut
@@ -274,7 +274,7 @@ class MetricsLogger:
         now = time.monotonic()
         if not self._buffer and now - self._last_sent < BEAT_EVERY_S:
             return False
-        from workbench.rank.state import STATE
+        from workbench.rank_state import STATE
 
         cell = self.cells
         beat = self._pulse.beat(self.activity + self.comm.launched, self._cell_activity, STATE.in_user_code, now,

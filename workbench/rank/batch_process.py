@@ -18,7 +18,7 @@ import shlex
 import sys
 
 from workbench.messages import REDRAW_MARK
-from workbench.rank.state import STATE
+from workbench.rank_state import STATE
 
 _CARRIAGE_RETURN = re.compile(r"\r(?!\n)")  # not a \r\n line end
 

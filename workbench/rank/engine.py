@@ -18,7 +18,7 @@ from workbench.messages import CellReply, MetricsMark
 from workbench.metrics.logger import LOGGER, take_config
 from workbench.options import CellOptions
 from workbench.rank import batch_process, stacks
-from workbench.rank.state import STATE, is_out_of_memory, limit_memory, namespace
+from workbench.rank_state import STATE, is_out_of_memory, limit_memory, namespace
 
 
 def ensure_accelerator(options: CellOptions):

@@ -18,7 +18,7 @@ user code:
   gets a view of ``torch.distributed`` whose ``all_reduce`` is timed;
 - the model's forward counts samples (the first dimension of its first tensor);
 - the optimizer's step marks the end of a training step;
-- a dataloader keeps its exact position in its data (:mod:`workbench.rank.data_position`).
+- a dataloader keeps its exact position in its data (:mod:`workbench.data_position`).
 
 Communication time is the union of those intervals (buckets overlap), so it is
 the wall time during which at least one collective was in flight. DDP's own
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import time
 
+from workbench.data_position import track
 from workbench.metrics.comm import CommClock
-from workbench.rank.data_position import track
 
 
 def _timed_comm_hook(clock: CommClock, inner):

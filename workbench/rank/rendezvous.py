@@ -88,7 +88,7 @@ def join(spec: dict) -> Joined:
     import torch
     import torch.distributed as dist
 
-    from workbench.rank.state import STATE, apply_memory_limit
+    from workbench.rank_state import STATE, apply_memory_limit
 
     spec = RendezvousSpec(**spec)
     leave()
@@ -169,7 +169,7 @@ def sever(peer_pids: list[int] = ()) -> int:
     """
     import psutil
 
-    from workbench.rank.state import STATE
+    from workbench.rank_state import STATE
 
     targets = set(STATE.pg_sockets)
     peer_ports = set()
@@ -197,7 +197,7 @@ GROUP_NAMES_PER_GENERATION = 10_000
 
 def leave(peer_pids: list[int] = ()) -> None:
     """Release peers, destroy this rank's process group and accelerate's singletons."""
-    from workbench.rank.state import STATE
+    from workbench.rank_state import STATE
 
     if peer_pids:
         sever(peer_pids)

@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 
-from workbench.rank.state import STATE
+from workbench.rank_state import STATE
 
 SIGNAL = signal.SIGUSR1
 WAIT_S = 3.0  # for a rank to write its stacks

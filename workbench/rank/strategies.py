@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from workbench.options import CellOptions
-from workbench.rank.state import STATE
+from workbench.rank_state import STATE
 
 
 def build_accelerator(options: CellOptions, device_type: str, nodes: int = 1):
@@ -97,7 +97,7 @@ def accelerator_class():
                                         or self.is_fsdp2):
                 args = self._parallelize(args)
             result = super().prepare(*args, **kwargs)
-            from workbench.rank.state import STATE
+            from workbench.rank_state import STATE
 
             for obj in result if isinstance(result, (tuple, list)) else (result,):
                 instrument(obj, LOGGER, options)

@@ -1,7 +1,7 @@
 """Engine side, the bottom layer: this engine's place in the fleet (:data:`STATE`).
 
 Everything else on the engine side reads it from here: the cell runner
-(:mod:`.engine`), rendezvous, metrics and checkpoints. It imports nothing of workbench.
+(:mod:`workbench.rank.engine`), rendezvous, metrics and checkpoints. It imports nothing of workbench.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class RankState:
         self.kept_holds: list | None = None
         self.writer = None  # workbench.checkpoint.writer: the helper process that writes async saves
         self.stack_file = None  # workbench.rank.stacks: the stack file, kept open for faulthandler
-        # workbench.rank.data_position: positions advance at optimizer steps (an optimizer was
+        # workbench.data_position: positions advance at optimizer steps (an optimizer was
         # prepared), not at each batch; the positions of the prepared dataloaders
         self.positions_at_steps = False
         self.positions: weakref.WeakSet = weakref.WeakSet()

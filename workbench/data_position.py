@@ -31,7 +31,7 @@ import itertools
 import json
 import weakref
 
-from workbench.rank.state import STATE
+from workbench.rank_state import STATE
 
 
 class _Skipped:
@@ -166,7 +166,7 @@ class DataPosition:
 
     def iterate(self, batches):
         """Wraps one pass of the loader (accelerate's ``__iter__``)."""
-        from workbench.rank.state import STATE
+        from workbench.rank_state import STATE
 
         world = STATE.world_size
         if self.open and self._finished():  # every batch used, the loop just never asked for the end
@@ -260,7 +260,7 @@ class _DiesWithItsRank:
         self.inner, self.rank_pid = inner, rank_pid
 
     def __call__(self, worker_id: int) -> None:
-        from workbench.rank.state import die_with_parent
+        from workbench.rank_state import die_with_parent
 
         die_with_parent(self.rank_pid)
         if self.inner is not None:
@@ -272,7 +272,7 @@ def track(loader) -> None:
     (``accelerator.prepare`` calls it)."""
     import os
 
-    from workbench.rank.state import STATE
+    from workbench.rank_state import STATE
 
     _install()
     loader._workbench_position = DataPosition(loader, STATE.world_size)
