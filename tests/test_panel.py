@@ -24,7 +24,7 @@ class PanelClient:
         comm_id = uuid.uuid4().hex
         self.comms[comm_id], self.read[comm_id] = [], 0
         self.kc.shell_channel.send(self.kc.session.msg(
-            "comm_open", {"comm_id": comm_id, "target_name": "workbench.kernel.panel", "data": {"client": client}}))
+            "comm_open", {"comm_id": comm_id, "target_name": "workbench.panel", "data": {"client": client}}))
         return comm_id
 
     def execute(self, code: str) -> str:

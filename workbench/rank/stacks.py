@@ -25,7 +25,7 @@ SIGNAL = signal.SIGUSR1
 WAIT_S = 3.0  # for a rank to write its stacks
 _MACHINERY = re.compile(  # frames of the engine itself, not of the user's code
     r'File "[^"]*(/(ipyparallel|ipykernel|tornado|traitlets|zmq|jupyter_client)/|/(threading|selectors|runpy)\.py|'
-    r'/asyncio/|/workbench/(engine|template|metrics/logger)\.py|<frozen runpy>|<string>)')
+    r'/asyncio/|/workbench/(rank/engine|rank/template|metrics/logger)\.py|<frozen runpy>|<string>)')
 _THREAD_ID = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$", re.M)
 
 
