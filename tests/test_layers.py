@@ -121,23 +121,26 @@ def _imports() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_circle():
-    graph = _imports()
+def _assert_no_circle(edges: dict[str, set[str]], what: str) -> None:
     done, path = set(), []
 
     def visit(name):
         if name in path:
-            raise AssertionError("import circle: " + " -> ".join(path[path.index(name):] + [name]))
+            raise AssertionError(f"{what} circle: " + " -> ".join(path[path.index(name):] + [name]))
         if name in done:
             return
         path.append(name)
-        for target in sorted(graph[name]):
+        for target in sorted(edges.get(name, ())):
             visit(target)
         path.pop()
         done.add(name)
 
-    for name in sorted(graph):
+    for name in sorted(edges):
         visit(name)
+
+
+def test_no_import_circle():
+    _assert_no_circle(_imports(), "import")
 
 
 def test_engine_side_layers_import_downward_only():
@@ -204,21 +207,7 @@ def test_no_import_circle_between_sibling_packages():
             pa, pb = packages[a], packages[b]
             if pa != pb and not pa.startswith(pb + ".") and not pb.startswith(pa + "."):
                 edges.setdefault(pa, set()).add(pb)
-    done, path = set(), []
-
-    def visit(name):
-        if name in path:
-            raise AssertionError("package circle: " + " -> ".join(path[path.index(name):] + [name]))
-        if name in done:
-            return
-        path.append(name)
-        for target in sorted(edges.get(name, ())):
-            visit(target)
-        path.pop()
-        done.add(name)
-
-    for name in sorted(edges):
-        visit(name)
+    _assert_no_circle(edges, "package")
 
 
 def _is_package(name: str) -> bool:
