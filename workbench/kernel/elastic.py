@@ -224,14 +224,14 @@ def loss_headlines(fleet: Fleet, ranks: list[int]) -> str:
     return "; ".join(dict.fromkeys(fleet.pool.loss(r)[0] for r in ranks))
 
 
-def lost_between_cells(fleet: Fleet) -> tuple[list[int], dict | None]:
-    """Engines that died since the last command, and the recovery to run for them
-    (--auto-recover); without one, a one-line FleetError that says what to do."""
+def lost_between_cells(fleet: Fleet) -> dict | None:
+    """The recovery to run (--auto-recover) for engines that died since the last command; None
+    when none did. Without --auto-recover, a one-line FleetError that says what to do."""
     dead = fleet.pool.dead_ranks(settle_s=0.0)
     if not dead:
-        return [], None
+        return None
     if (how := auto_recovery(fleet, loss_headlines(fleet, dead))) is not None:
-        return dead, how
+        return how
     causes = "; ".join(fleet.pool.loss(r)[1] for r in dead)
     raise FleetError(f"{causes}. Run %fleet recover (replaces it, replays the --setup cells, gives every "
                      "rank a survivor's state or the latest checkpoint)")

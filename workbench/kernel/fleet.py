@@ -434,8 +434,7 @@ class Fleet:
     def _recover_lost_ranks(self) -> None:
         """Engines that died since the last command: recovered now with ``--auto-recover``, else
         a one-line error that says what to do."""
-        _, how = elastic.lost_between_cells(self)
-        if how is not None:
+        if (how := elastic.lost_between_cells(self)) is not None:
             self.recover(**how)
 
     def stragglers(self) -> dict[int, float]:
