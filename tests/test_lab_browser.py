@@ -342,8 +342,11 @@ def _visible_box(locator, timeout: float = 10.0) -> dict:
     chart replaced right then has no box yet), and one below the fold is scrolled to first."""
     deadline = time.monotonic() + timeout
     while True:
-        locator.scroll_into_view_if_needed(timeout=timeout * 1000)
-        box = locator.bounding_box()
+        try:
+            locator.scroll_into_view_if_needed(timeout=timeout * 1000)
+            box = locator.bounding_box()
+        except playwright_api.Error:  # replaced while it was looked at ("not attached to the DOM")
+            box = None
         if box is not None or time.monotonic() > deadline:
             assert box is not None, "the chart never came on screen"
             return box
