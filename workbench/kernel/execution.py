@@ -286,6 +286,12 @@ class _CellRun:
         self.result.replies[rank] = reply
         self.pending.pop(rank, None)
 
+    def _never_answers(self, failure: RankFailure) -> None:
+        """A rank that will not answer (gone, on a lost host, killed): ``failure`` is its error,
+        and its reply says the same."""
+        self.failures.append(failure)
+        self._answer(failure.rank, CellReply(ok=False, ename=failure.ename, evalue=failure.evalue, traceback=""))
+
     def _take_replies(self, now: float) -> None:
         for rank, ar in list(self.pending.items()):
             if not ar.ready():
@@ -300,9 +306,7 @@ class _CellRun:
     def _take_gone_ranks(self, now: float) -> None:
         """A dead engine whose nanny died too never answers."""
         for rank in self.fleet.pool.gone_ranks(sorted(self.pending)):
-            self._answer(rank, CellReply(ok=False, ename="EngineError", evalue="the engine's process is gone",
-                                         traceback=""))
-            self.failures.append(RankFailure(rank, "EngineError", "the engine's process is gone", ""))
+            self._never_answers(RankFailure(rank, "EngineError", "the engine's process is gone", ""))
             self._fail(now)
 
     def _take_lost_hosts(self) -> bool:
@@ -317,10 +321,7 @@ class _CellRun:
                 failure = RankFailure(rank, "HostLost", headline, "")
             else:  # in a collective with the lost ranks: it ends the cell by itself, state kept
                 failure = RankFailure(rank, "Abandoned", "left waiting for the lost host", "", stopped=True)
-            self.failures.append(failure)
-            self.result.replies[rank] = CellReply(ok=False, ename=failure.ename, evalue=failure.evalue,
-                                                  traceback="")
-        self.pending.clear()
+            self._never_answers(failure)
         self.failed_at = self.failed_at or time.time()
         return True
 
@@ -357,10 +358,8 @@ class _CellRun:
     def _kill(self, stuck: list[int]) -> None:
         self.killed = True
         for rank in stuck:
-            self._answer(rank, CellReply(ok=False, ename="Killed",
-                                         evalue="did not stop within a few seconds; engine replaced", traceback=""))
-            self.failures.append(RankFailure(rank, "Killed", "did not stop within a few seconds; engine replaced",
-                                             "", stopped=True))
+            self._never_answers(RankFailure(rank, "Killed", "did not stop within a few seconds; engine replaced",
+                                            "", stopped=True))
         self.fleet.replace(stuck)
 
     def _refresh(self, force: bool = False) -> None:
