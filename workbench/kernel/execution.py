@@ -344,7 +344,7 @@ class _CellRun:
     def _climb_the_ladder(self, now: float) -> None:
         fleet, pending = self.fleet, self.pending
         for action in self.stopper.due(now):
-            self.released |= _act(fleet, action, pending) == "released"
+            self.released |= self._act(action, pending) == "released"
             if action == "kill-hung" and (stuck := _worst([h for h in self.hangs if h.rank in pending])):
                 self._kill(stuck)
             if action == "kill" and pending:
@@ -403,7 +403,7 @@ class _CellRun:
         replies = self.result.replies
         torn_down = sorted(r for r, reply in replies.items() if reply.get("group_intact") is False)
         lost: dict[int, str] = {}
-        notes, dead = _repair(fleet, bool(failures) or self.interrupted or self.timed_out or bool(torn_down),
+        notes, dead = self._repair(bool(failures) or self.interrupted or self.timed_out or bool(torn_down),
                               self.released or self.killed or bool(torn_down), self.killed, lost)
         if torn_down and not failures:
             notice(f"the cell tore down the default process group on rank {_ranks(torn_down)} "
@@ -426,6 +426,69 @@ class _CellRun:
             raise error
         return self.result
 
+    def _act(self, action: str, pending: dict) -> str:
+        fleet = self.fleet
+        running = sorted(pending)
+        if action == "sigint":
+            fleet.pool.signal(running, signal.SIGINT)
+        elif action == "release":
+            idle = [r for r in range(fleet.world_size) if r not in pending and not fleet.pool.on_lost_host(r)]
+            if idle:
+                # closing the group's sockets on idle ranks releases peers blocked in a collective
+                peers = [fleet.member(r).pid for r in running]
+                try:  # not waited for: the cell's loop goes on watching (a lost host, the kill step)
+                    fleet.client[fleet.engine_ids(idle)].apply_async(rendezvous.leave, peers)
+                except Exception:
+                    pass  # an idle rank that cannot answer is handled by the kill step
+                return "released"
+        return action
+
+    def _repair(self, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tuple[list[str], list[int]]:
+        """Rebuild the process group if the cell may have left it inconsistent.
+
+        Returns notes for the user and the ranks whose engine had died (now replaced); ``lost``
+        gets a headline for each of those.
+        """
+        if not abnormal:
+            return [], []
+        fleet = self.fleet
+        dead = fleet.pool.dead_ranks()
+        losses = {r: fleet.pool.loss(r) for r in dead}  # (headline, explanation), before the engines are replaced
+        causes = {r: explanation for r, (_, explanation) in losses.items()}
+        lost.update({r: headline for r, (headline, _) in losses.items()})
+        if any(fleet.pool.on_lost_host(r) for r in dead):  # the survivors keep their state for %fleet recover
+            hosts = sorted({fleet.member(r).host for r in dead if fleet.pool.on_lost_host(r)})
+            return [f"{'; '.join(fleet.pool.lost_hosts[h] for h in hosts)}. The other ranks keep their state: "
+                    "%fleet recover --shrink goes on without the lost ranks, %fleet recover puts them on a host with a "
+                    "free --hosts slot; other cells are refused until then"], dead
+        if dead:
+            fleet.replace(dead)
+            torn = True
+        if not torn:
+            checks = fleet.client[fleet.engine_ids()].apply_async(rendezvous.healthy, 3.0)
+            try:
+                if all(checks.get(timeout=10)):
+                    return [], []
+            except Exception:
+                pass
+        try:
+            fleet.rendezvous()
+        except WorkbenchError as exc:
+            return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"], dead
+        if fleet.session.fresh_ranks:
+            what = ("; ".join(causes.values()) if dead else "a rank that did not stop was killed" if killed
+                    else "a rank died while the process group was rebuilt")
+            return [f"{what}. It was replaced by a fresh engine with an empty namespace: run %fleet recover next "
+                    "(rebuilds the group, replays the --setup cells and gives every rank a survivor's state or the "
+                    "latest checkpoint, so all ranks agree); other cells are refused until then"], dead
+        notes = ["the process group was rebuilt; models and optimizers prepared before are bound to the old "
+                 "group: run the cell that calls accelerator.prepare again"]
+        if dead or killed:  # every rank was replaced: they all start from empty namespaces
+            notes = ["every rank was replaced by a fresh engine (empty namespaces; "
+                     + "; ".join(causes.values() or ["ranks that did not stop were killed"])
+                     + "): run your setup cells again, or %fleet recover to replay them and restore the latest checkpoint"]
+        return notes, dead
+
 
 def _wait_for_output(submitted: dict, replies: dict) -> None:
     """Wait (briefly) for the output of every rank that answered; a killed or dead one sends none."""
@@ -444,70 +507,7 @@ def _reply(ar) -> CellReply:
         return CellReply(ok=False, ename=ename, evalue=evalue, traceback=f"{ename}: {evalue}")
 
 
-def _act(fleet: Fleet, action: str, pending: dict) -> str:
-    running = sorted(pending)
-    if action == "sigint":
-        fleet.pool.signal(running, signal.SIGINT)
-    elif action == "release":
-        idle = [r for r in range(fleet.world_size) if r not in pending and not fleet.pool.on_lost_host(r)]
-        if idle:
-            # closing the group's sockets on idle ranks releases peers blocked in a collective
-            peers = [fleet.member(r).pid for r in running]
-            try:  # not waited for: the cell's loop goes on watching (a lost host, the kill step)
-                fleet.client[fleet.engine_ids(idle)].apply_async(rendezvous.leave, peers)
-            except Exception:
-                pass  # an idle rank that cannot answer is handled by the kill step
-            return "released"
-    return action
-
-
 def _worst(hangs) -> list[int]:
     """The hung ranks to kill first: the frozen ones if any (their peers wait on them)."""
     frozen = [h.rank for h in hangs if h.frozen]
     return frozen or [h.rank for h in hangs]
-
-
-def _repair(fleet: Fleet, abnormal: bool, torn: bool, killed: bool, lost: dict) -> tuple[list[str], list[int]]:
-    """Rebuild the process group if the cell may have left it inconsistent.
-
-    Returns notes for the user and the ranks whose engine had died (now replaced); ``lost``
-    gets a headline for each of those.
-    """
-    if not abnormal:
-        return [], []
-    dead = fleet.pool.dead_ranks()
-    losses = {r: fleet.pool.loss(r) for r in dead}  # (headline, explanation), before the engines are replaced
-    causes = {r: explanation for r, (_, explanation) in losses.items()}
-    lost.update({r: headline for r, (headline, _) in losses.items()})
-    if any(fleet.pool.on_lost_host(r) for r in dead):  # the survivors keep their state for %fleet recover
-        hosts = sorted({fleet.member(r).host for r in dead if fleet.pool.on_lost_host(r)})
-        return [f"{'; '.join(fleet.pool.lost_hosts[h] for h in hosts)}. The other ranks keep their state: "
-                "%fleet recover --shrink goes on without the lost ranks, %fleet recover puts them on a host with a "
-                "free --hosts slot; other cells are refused until then"], dead
-    if dead:
-        fleet.replace(dead)
-        torn = True
-    if not torn:
-        checks = fleet.client[fleet.engine_ids()].apply_async(rendezvous.healthy, 3.0)
-        try:
-            if all(checks.get(timeout=10)):
-                return [], []
-        except Exception:
-            pass
-    try:
-        fleet.rendezvous()
-    except WorkbenchError as exc:
-        return [f"the process group could not be rebuilt ({exc}); restart the fleet: %fleet stop, then %fleet start"], dead
-    if fleet.session.fresh_ranks:
-        what = ("; ".join(causes.values()) if dead else "a rank that did not stop was killed" if killed
-                else "a rank died while the process group was rebuilt")
-        return [f"{what}. It was replaced by a fresh engine with an empty namespace: run %fleet recover next "
-                "(rebuilds the group, replays the --setup cells and gives every rank a survivor's state or the "
-                "latest checkpoint, so all ranks agree); other cells are refused until then"], dead
-    notes = ["the process group was rebuilt; models and optimizers prepared before are bound to the old "
-             "group: run the cell that calls accelerator.prepare again"]
-    if dead or killed:  # every rank was replaced: they all start from empty namespaces
-        notes = ["every rank was replaced by a fresh engine (empty namespaces; "
-                 + "; ".join(causes.values() or ["ranks that did not stop were killed"])
-                 + "): run your setup cells again, or %fleet recover to replay them and restore the latest checkpoint"]
-    return notes, dead

@@ -27,9 +27,11 @@ from workbench.checkpoint import api as checkpoint_api
 from workbench.checkpoint import layout as checkpoint_layout
 from workbench.checkpoint import storage as checkpoint_storage
 from workbench.errors import FleetError, OptionsError
-from workbench.kernel import cells, elastic, group, parking
+from workbench.kernel import group, parking
+from workbench.kernel.cells import Cells
 from workbench.kernel.checkpoints import Checkpoints
 from workbench.kernel.devices import EngineSlot, check_machine_fits, parse_gpu_list, plan_engines
+from workbench.kernel.elastic import Elastic, check_scale_size
 from workbench.kernel.execution import CellResult, DistributedCellError
 from workbench.kernel.launchers import LauncherSpec
 from workbench.kernel.metrics.live import FleetMetrics
@@ -106,6 +108,8 @@ class Fleet:
         self.rank_logs: RankLogs | None = None  # <run>/logs: each rank's output, each engine's own
         self.checkpoints = Checkpoints(self)
         self.session = SessionState()  # setup and training cells, cell defaults, restarts, fresh ranks
+        self.cells = Cells(self)  # a cell's checks, its run on the ranks, its record
+        self.elastic = Elastic(self, self.cells)  # rescale and recovery
         self.generation = 0  # of the process group: one more at every rendezvous
         self.group_mark = 0  # the metrics records of the current process group start here
         self.slow_reported: set[int] = set()  # stragglers already named in a cell's output
@@ -381,7 +385,7 @@ class Fleet:
     # ------------------------------------------------------------------ running code
     def targets(self, ranks) -> list[int]:
         """``ranks`` (None: all) checked against this fleet: a sorted list, or a one-line error."""
-        return cells.targets(self, ranks)
+        return self.cells.targets(ranks)
 
     def execute(self, code: str, options: CellOptions, *, ranks=None, timeout: float | None = None,
                 return_value: bool = False, show_output: bool = True, setup: bool = False,
@@ -398,25 +402,25 @@ class Fleet:
         and the cell runs again (``--auto-recover``); a rank that turned slow is named (and
         replaced with ``--auto-replace-stragglers``).
         """
-        run = functools.partial(cells.execute, self, code, options, ranks=ranks, timeout=timeout,
+        run = functools.partial(self.cells.execute, code, options, ranks=ranks, timeout=timeout,
                                 return_value=return_value, show_output=show_output, setup=setup,
                                 show_all_progress=show_all_progress, stop_on_nan=stop_on_nan)
         with self.command(busy=True):
-            cells.admit(self, options, ranks, setup)  # bad flags or ranks: one line before anything changes
+            self.cells.admit(options, ranks, setup)  # bad flags or ranks: one line before anything changes
             self.session.refuse_if_unfinished()  # before a dead engine's message: engines are half set up
             self._recover_lost_ranks()
             while True:
                 try:
                     result = run()
                 except DistributedCellError as exc:
-                    how = elastic.auto_recovery(self, f"{exc.what_was_lost()} during the cell", again=True) \
+                    how = self.elastic.auto_recovery(f"{exc.what_was_lost()} during the cell", again=True) \
                         if exc.dead or exc.hung else None
                     if how is None:
                         raise
                     self.recover(**how)
                     continue
                 if (slow := self._name_stragglers()) and self.options.auto_replace_stragglers:
-                    if how := elastic.auto_recovery(self, f"rank {','.join(map(str, slow))} is slow", replace=slow):
+                    if how := self.elastic.auto_recovery(f"rank {','.join(map(str, slow))} is slow", replace=slow):
                         self.recover(**how)
                 return result
 
@@ -434,7 +438,7 @@ class Fleet:
     def _recover_lost_ranks(self) -> None:
         """Engines that died since the last command: recovered now with ``--auto-recover``, else
         a one-line error that says what to do."""
-        if (how := elastic.lost_between_cells(self)) is not None:
+        if (how := self.elastic.lost_between_cells()) is not None:
             self.recover(**how)
 
     def stragglers(self) -> dict[int, float]:
@@ -452,7 +456,7 @@ class Fleet:
         """Resize to ``n`` ranks mid-session: checkpoint, new process group, setup replay,
         resharded restore (see :mod:`workbench.kernel.elastic`). Returns each phase's seconds.
         ``hosts`` (``"hostC:2"``, ``--launcher ssh``): more hosts for the new engines."""
-        elastic.check_scale_size(n)
+        check_scale_size(n)
         with self.command():
             if hosts is not None:
                 if self.pool.hosts is None and not self.pool.cluster_hosts:
@@ -465,7 +469,7 @@ class Fleet:
             self.targets(None)
             self.session.refuse_if_unfinished()
             self._recover_lost_ranks()
-            return elastic.scale(self, n)
+            return self.elastic.scale(n)
 
     def recover(self, shrink: bool = False, replace: list[int] = ()) -> dict:
         """After an engine died: replace it (``shrink``: go on without it), rebuild the
@@ -473,7 +477,7 @@ class Fleet:
         latest checkpoint (:mod:`workbench.kernel.elastic`). ``replace``: live ranks to swap for fresh
         engines the same way (a straggler: ``%fleet replace R``)."""
         with self.command():
-            return elastic.recover(self, shrink=shrink, replace=self.targets(list(replace)) if replace else [])
+            return self.elastic.recover(shrink=shrink, replace=self.targets(list(replace)) if replace else [])
 
     def park(self, anyway: bool = True) -> "Parked":
         """Checkpoint what a rescale keeps, stop every engine (their GPUs are free), remember the
@@ -514,7 +518,7 @@ class Fleet:
         options = options or replace(self.cell_defaults, **{k: v for k, v in given.items() if v is not None})
         if callable(code_or_function):
             with self.command(busy=True):
-                result = cells.call(self, code_or_function, args, kwargs, options, ranks=ranks, timeout=timeout,
+                result = self.cells.call(code_or_function, args, kwargs, options, ranks=ranks, timeout=timeout,
                                     show_output=show_output)
         elif args or kwargs:
             raise OptionsError("extra arguments are only accepted when running a function, not a code string")

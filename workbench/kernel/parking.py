@@ -123,17 +123,17 @@ def park(fleet: Fleet, anyway: bool = True) -> Parked:
 
 def unpark(fleet: Fleet) -> dict:
     """Start the parked fleet's engines, replay the setup cells, restore its checkpoint."""
-    from workbench.kernel.elastic import _Phases, _replay_and_restore
+    from workbench.kernel.elastic import Phases
 
     parked = fleet.parked
     if parked is None:
         raise FleetError("the fleet is not parked")
-    phases = _Phases(fleet, f"unpark {parked.world} ranks")
+    phases = Phases(fleet.options.progress, f"unpark {parked.world} ranks")
     phases.run("engines", "starting engines", fleet.pool.add_engines, fleet.pool.new_slots(parked.world))
     fleet.usage.count(0)
     phases.run("rendezvous", "rendezvous", fleet.rendezvous)
     fleet.parked = None
-    report = _replay_and_restore(fleet, phases, parked.tag)
+    report = fleet.elastic.replay_and_restore(phases, parked.tag)
     phases.done(f"restored {', '.join(report['restored']) or 'nothing'} at step {report['step']}")
     notice(f"unparked: {fleet.world_size} ranks back in {sum(phases.timings.values()):.1f} s "
            f"(parked {(time.time() - parked.since) / 60:.1f} min), at step {report['step']}")
