@@ -23,7 +23,7 @@ from __future__ import annotations
 import pathlib
 import resource
 
-from common import median, p95, report
+from common import median, p95, report, verdict
 
 from workbench import Fleet
 
@@ -135,6 +135,8 @@ def main() -> dict:
         result[f"ratio_{name}_cpu"] = median(clocks["cpu"])
         result[f"target_{name}"] = f"<= {TARGETS[name]}"
         result[f"ratio_{name}_rounds"] = [round(r, 3) for r in clocks["wall"]]
+        result[f"verdict_{name}"] = verdict(clocks["wall"], TARGETS[name])
+        result[f"verdict_{name}_cpu"] = verdict(clocks["cpu"], TARGETS[name])
     result.update(costs)
     result.update({
         "latency_p50_ms": median(latencies) * 1e3,

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import median, quiet_env, report
+from common import median, quiet_env, report, verdict
 
 from workbench import Fleet
 
@@ -44,12 +44,15 @@ def fleet_steps(fleet, width: int) -> tuple[list[float], list[float]]:
 
 def main() -> dict:
     times = {(who, width, clock): [] for who in ("fleet", "torchrun") for width in WIDTHS for clock in (0, 1)}
+    rounds = {width: [] for width in WIDTHS}  # each round's fleet/torchrun ratio (wall)
     with Fleet(n=2, progress=False) as fleet:
         for _ in range(ROUNDS):
             for width in WIDTHS:
-                for who, measured in (("torchrun", torchrun_steps(width)), ("fleet", fleet_steps(fleet, width))):
+                measured = {"torchrun": torchrun_steps(width), "fleet": fleet_steps(fleet, width)}
+                for who, clocks in measured.items():
                     for clock in (0, 1):
-                        times[who, width, clock] += measured[clock]
+                        times[who, width, clock] += clocks[clock]
+                rounds[width].append(median(measured["fleet"][0]) / median(measured["torchrun"][0]))
 
     def ratio(width: int, clock: int) -> float:
         return median(times["fleet", width, clock]) / median(times["torchrun", width, clock])
@@ -60,11 +63,13 @@ def main() -> dict:
         "ratio_fleet_over_torchrun": ratio(1024, 0),
         "ratio_fleet_over_torchrun_cpu": ratio(1024, 1),
         "target": "<= 1.02",
+        "verdict": verdict(rounds[1024], 1.02),
         "small_fleet_step_median_s": median(times["fleet", 384, 0]),
         "small_torchrun_step_median_s": median(times["torchrun", 384, 0]),
         "ratio_small_fleet_over_torchrun": ratio(384, 0),
         "ratio_small_fleet_over_torchrun_cpu": ratio(384, 1),
         "target_small": "<= 1.03",
+        "verdict_small": verdict(rounds[384], 1.03),
         "steps_measured_each": len(times["fleet", 1024, 0]),
     })
 
