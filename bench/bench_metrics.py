@@ -23,6 +23,7 @@ from __future__ import annotations
 import pathlib
 import resource
 
+import psutil
 from common import median, p95, report, verdict
 
 from workbench import Fleet
@@ -58,9 +59,22 @@ def steps(fleet, count: int = STEPS, **flags) -> tuple[list[float], list[float]]
     return wall[WARMUP:], cpu[WARMUP:]
 
 
+FLEET_PROCESSES = ("ipyparallel.controller", "workbench.rank")  # not the sinks' processes
+
+
 def _kernel_cpu() -> float:
+    """CPU seconds of the kernel and of the processes its sinks started (wandb's service and its
+    system monitor), not of the fleet's controller and engines."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    total = usage.ru_utime + usage.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if not any(name in " ".join(child.cmdline()) for name in FLEET_PROCESSES):
+                times = child.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:  # gone meanwhile
+            continue
+    return total
 
 
 RECORD_CELL = """
