@@ -15,6 +15,10 @@ the cell. Every record stays in ``metrics.jsonl`` either way.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workbench.kernel.metrics.store import Record
 
 
 class StepRows:
@@ -22,7 +26,7 @@ class StepRows:
         self.world_size = world_size  # a callable: the fleet's size can change
         self.rows_per_s = rows_per_s
         self.burst = burst
-        self._pending: dict[int, dict[int, tuple]] = {}  # step -> rank -> (scalars, system)
+        self._pending: dict[int, dict[int, Record]] = {}  # step -> rank -> its record
         self._slots = float(burst)  # rows that may go out now
         self._refilled = time.monotonic()
         self._held: tuple[int, dict] | None = None  # the newest complete step that found no slot
@@ -37,7 +41,7 @@ class StepRows:
             ranks = pending.get(step)
             if ranks is None:
                 ranks = pending[step] = {}
-            ranks[record.rank] = (record.scalars, record.system)
+            ranks[record.rank] = record
             if len(ranks) >= world:
                 ready.append((step, pending.pop(step)))
         return self._let_through(ready)
@@ -75,8 +79,8 @@ class StepRows:
         return rows
 
 
-def _row(ranks: dict[int, tuple]) -> dict:
-    merged = {rank: {**scalars, **system} for rank, (scalars, system) in sorted(ranks.items())}
+def _row(ranks: dict[int, Record]) -> dict:
+    merged = {rank: {**record.scalars, **record.system} for rank, record in sorted(ranks.items())}
     row = {}
     for name in sorted({name for values in merged.values() for name in values}):
         values = [v[name] for v in merged.values() if name in v]
