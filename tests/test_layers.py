@@ -214,3 +214,27 @@ def _is_package(name: str) -> bool:
     import pathlib
 
     return (pathlib.Path(__file__).resolve().parent.parent / name.replace(".", "/") / "__init__.py").exists()
+
+
+FLEET_CHANGED_ONLY_BY = {"workbench/kernel/parking.py": {"park", "unpark"}}  # they set fleet.parked
+
+
+def test_the_fleets_state_is_changed_by_its_owners_not_by_free_functions():
+    """Module-level functions that take a ``fleet`` and assign to its attributes: the state they
+    change belongs to an owner (the fleet, its session state, Cells, Elastic) with methods."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    found = {}
+    for path in sorted((root / "workbench").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:  # module level only: methods are their class's
+            if not isinstance(node, ast.FunctionDef) or "fleet" not in [a.arg for a in node.args.args]:
+                continue
+            assigned = {target.attr for statement in ast.walk(node) if isinstance(statement, (ast.Assign, ast.AugAssign))
+                        for target in (statement.targets if isinstance(statement, ast.Assign) else [statement.target])
+                        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                        and target.value.id == "fleet"}
+            if assigned:
+                found.setdefault(str(path.relative_to(root)), set()).add(node.name)
+    assert found == FLEET_CHANGED_ONLY_BY
