@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 class Cells:
     """A fleet's way of running cells: checks, the run on the ranks, the record, the session.
 
-    Built from the parts it uses: the engine pool (which ranks exist), the session state (what is
-    remembered of cells, which ranks have no state yet) and the fleet's options. The run's metrics
-    and record are replaced at every start, so they are read through ``fleet``, as is how a cell
-    reaches the ranks (:func:`workbench.kernel.execution.run_on_ranks`)."""
+    Built from the parts it uses: the engine pool (which ranks exist) and the session state (what
+    is remembered of cells, which ranks have no state yet). The run's metrics and record are
+    replaced at every start, so they are read through ``fleet``, as is how a cell reaches the
+    ranks (:func:`workbench.kernel.execution.run_on_ranks`)."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
