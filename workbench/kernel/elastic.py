@@ -315,7 +315,7 @@ class Elastic:
 
     def scale(self, n: int) -> dict:
         """Resize ``fleet`` to ``n`` ranks, keeping training state; returns the phases' seconds
-        (:meth:`workbench.kernel.self.fleet.Fleet.scale` checked ``n`` and recovered lost ranks first)."""
+        (:meth:`workbench.kernel.fleet.Fleet.scale` checked ``n`` and recovered lost ranks first)."""
         if fresh := self.session.fresh_ranks:
             raise OptionsError(f"rank {','.join(map(str, fresh))} was replaced and has no state yet; "
                                "run %fleet recover before scaling")
