@@ -314,7 +314,7 @@ class Elastic:
                 "restored": report["restored"], "source": report.get("source"), "sources": report.get("sources")}
 
     def scale(self, n: int) -> dict:
-        """Resize ``fleet`` to ``n`` ranks, keeping training state; returns the phases' seconds
+        """Resize the fleet to ``n`` ranks, keeping training state; returns the phases' seconds
         (:meth:`workbench.kernel.fleet.Fleet.scale` checked ``n`` and recovered lost ranks first)."""
         if fresh := self.session.fresh_ranks:
             raise OptionsError(f"rank {','.join(map(str, fresh))} was replaced and has no state yet; "
