@@ -519,7 +519,7 @@ class Fleet:
         if callable(code_or_function):
             with self.command(busy=True):
                 result = self.cells.call(code_or_function, args, kwargs, options, ranks=ranks, timeout=timeout,
-                                    show_output=show_output)
+                                         show_output=show_output)
         elif args or kwargs:
             raise OptionsError("extra arguments are only accepted when running a function, not a code string")
         else:
